@@ -1,0 +1,55 @@
+# kvlab: two commands do everything on a fresh machine.
+#   make book   - create .venv, install, build the HTML book (every chapter executed), print where it is
+#   make test   - everything CI checks: library + grader tests, labs, every solution through nbval, book build with -W
+SHELL := /bin/bash
+VENV    ?= .venv
+PY      := $(VENV)/bin/python
+PIP     := $(PY) -m pip
+# A CPU build on the project's machines; a CUDA build from PyPI elsewhere. Override: make book TORCH=torch==2.14.1
+TORCH   ?= torch==2.13.0
+export OMP_WAIT_POLICY ?= PASSIVE
+export PYTHONHASHSEED  ?= 0
+export MPLBACKEND      ?= Agg
+export TOKENIZERS_PARALLELISM ?= false
+
+.PHONY: book test venv labs labs-check clean clean-book unit notebooks build-strict
+
+venv: $(VENV)/.installed
+$(VENV)/.installed: requirements.txt pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PIP) install -q --upgrade pip 2>&1 | grep -v 'is ignored: it is neither' || true
+	$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q "$(TORCH)" 2>&1 | grep -v 'is ignored: it is neither' || true
+	set -o pipefail; $(PIP) install -q -r requirements.txt 2>&1 | { grep -v 'is ignored: it is neither' || true; }
+	set -o pipefail; $(PIP) install -q --no-deps -e . 2>&1 | { grep -v 'is ignored: it is neither' || true; }
+	$(PY) -c "import torch, transformers, kvlab; print('torch', torch.__version__, '| transformers', transformers.__version__)"
+	touch $@
+
+labs: venv
+	$(PY) -m kvlab.labs
+
+labs-check: venv
+	$(PY) -m kvlab.labs --check
+
+book: venv
+	$(VENV)/bin/jupyter-book build . -W -n --keep-going
+	@echo; echo "Book built. Open: file://$(CURDIR)/_build/html/index.html"
+
+# The book build the tests use: from scratch (no execution cache), warnings are errors.
+build-strict: venv
+	rm -rf _build/test-html
+	$(VENV)/bin/jupyter-book build . -W -n --keep-going --path-output _build/test-html
+
+unit: venv
+	$(PY) -m pytest -q tests
+
+notebooks: venv
+	$(PY) -m pytest -q --nbval-lax solutions
+
+test: venv labs-check unit notebooks build-strict
+	@echo "make test: all passed"
+
+clean-book:
+	rm -rf _build
+
+clean: clean-book
+	rm -rf $(VENV)

@@ -1,0 +1,109 @@
+"""Reference greedy generators, the ones the labs are graded against.
+
+All of them share one contract: ``input_ids`` is a ``LongTensor [1, T]`` (batch 1, ``T >= 1``) and the
+result is ``[1, T + max_new_tokens]``, prompt included, chosen greedily (argmax of the last position's
+logits). Bad input raises a ``ValueError`` that says what to do; nothing is silently truncated.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def context_length(model) -> int:
+    """The longest sequence the model can attend over (GPT-2: ``n_positions``, 1024)."""
+    cfg = model.config
+    return int(getattr(cfg, "n_positions", None) or getattr(cfg, "max_position_embeddings"))
+
+
+def check_inputs(model, input_ids, max_new_tokens: int) -> torch.Tensor:
+    """Validate a prompt and a token budget; return ``input_ids`` on the model's device."""
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dtype != torch.long:
+        raise ValueError("input_ids must be a torch.LongTensor of token ids, shape [1, T]; "
+                         "use tokenizer(text, return_tensors='pt').input_ids")
+    if input_ids.dim() != 2 or input_ids.shape[0] != 1:
+        raise ValueError(f"input_ids must have shape [1, T] (one prompt), got {list(input_ids.shape)}; "
+                         "for several prompts see chapter 6 (batched generation)")
+    if input_ids.shape[1] == 0:
+        raise ValueError("the prompt is empty: greedy generation needs at least one token to condition "
+                         "on (start from the tokenizer's bos/eos token if you want unconditional text)")
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be a non-negative int, got {max_new_tokens!r}")
+    limit = context_length(model)
+    total = input_ids.shape[1] + max_new_tokens
+    if total > limit:
+        raise ValueError(
+            f"prompt ({input_ids.shape[1]} tokens) + max_new_tokens ({max_new_tokens}) = {total} exceeds "
+            f"the model's context of {limit} positions; shorten the prompt or ask for fewer tokens "
+            "(GPT-2 has no position embedding beyond its context, so nothing is truncated for you)")
+    return input_ids.to(next(model.parameters()).device)
+
+
+@torch.no_grad()
+def naive_generate(model, input_ids: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
+    """Greedy decoding with no cache: every step re-runs the whole sequence (O(N^2) token-positions)."""
+    ids = check_inputs(model, input_ids, max_new_tokens)
+    for _ in range(max_new_tokens):
+        logits = model(ids, use_cache=False).logits       # [1, t, vocab]: all positions recomputed
+        next_id = logits[:, -1, :].argmax(dim=-1, keepdim=True)
+        ids = torch.cat([ids, next_id], dim=1)
+    return ids
+
+
+@torch.no_grad()
+def cached_generate(model, input_ids: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
+    """Greedy decoding with transformers' ``DynamicCache``: prefill the prompt once, then one token a step."""
+    from transformers import DynamicCache
+
+    ids = check_inputs(model, input_ids, max_new_tokens)
+    if max_new_tokens == 0:
+        return ids
+    cache = DynamicCache(config=model.config)
+    out = model(ids, cache=cache, use_cache=True)          # prefill: every prompt position, once
+    next_id = out.logits[:, -1, :].argmax(dim=-1, keepdim=True)
+    pieces = [ids, next_id]
+    for _ in range(max_new_tokens - 1):
+        out = model(next_id, cache=cache, use_cache=True)  # decode: one new position; positions
+        next_id = out.logits[:, -1, :].argmax(dim=-1, keepdim=True)  # continue from the cache length
+        pieces.append(next_id)
+    return torch.cat(pieces, dim=1)
+
+
+@torch.no_grad()
+def hf_greedy(model, input_ids: torch.Tensor, max_new_tokens: int, use_cache: bool = True) -> torch.Tensor:
+    """transformers' own ``generate`` (greedy), the independent reference the graders trust."""
+    ids = check_inputs(model, input_ids, max_new_tokens)
+    if max_new_tokens == 0:
+        return ids
+    # eos_token_id=None: never stop early (our contract is exactly max_new_tokens new tokens);
+    # unlike min_new_tokens, it leaves the logits untouched, so every token is the plain argmax.
+    return model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                          max_new_tokens=max_new_tokens, eos_token_id=None,
+                          pad_token_id=model.config.eos_token_id, use_cache=use_cache)
+
+
+def positions_processed_naive(prompt_len: int, new_tokens: int) -> int:
+    """Token-positions a naive generator pushes through the model: T + (T+1) + ... + (T+N-1)."""
+    return sum(prompt_len + i for i in range(new_tokens))
+
+
+def positions_processed_cached(prompt_len: int, new_tokens: int) -> int:
+    """With a cache: the prompt once, then one position per further token."""
+    return prompt_len + max(new_tokens - 1, 0) if new_tokens else 0
+
+
+def forward_flops(config, n_new: int, n_past: int = 0, all_logits: bool = True) -> int:
+    """Multiply-add FLOPs (2 per multiply-accumulate) of one GPT-2 forward over ``n_new`` positions
+    that attend to ``n_past`` cached ones as well.
+
+    Per layer: q/k/v projection 6nd^2, output projection 2nd^2, MLP 16nd^2 (so 24nd^2 in the linear
+    layers), attention scores and weighted sum 2 x 2nd(n_past + n) (a dense kernel scores the full
+    rectangle, masked or not). The LM head costs 2dV per position whose logits are computed
+    (transformers computes all of them unless told otherwise). Embeddings, norms and softmax are
+    left out: they are a few percent at most.
+    """
+    d, L, V = config.n_embd, config.n_layer, config.vocab_size
+    n, t = n_new, n_past + n_new
+    per_layer = 24 * n * d * d + 4 * n * t * d
+    head_positions = n if all_logits else 1
+    return L * per_layer + 2 * head_positions * d * V
