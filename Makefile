@@ -9,7 +9,8 @@ PIP     := $(PY) -m pip
 TORCH   ?= torch==2.13.0
 export OMP_WAIT_POLICY ?= PASSIVE
 export PYTHONHASHSEED  ?= 0
-export MPLBACKEND      ?= Agg
+# Kernels must use matplotlib's inline backend, or the book's figures vanish silently.
+unexport MPLBACKEND
 export TOKENIZERS_PARALLELISM ?= false
 
 .PHONY: book test venv labs labs-check clean clean-book unit notebooks build-strict
@@ -38,6 +39,7 @@ book: venv
 build-strict: venv
 	rm -rf _build/test-html
 	$(VENV)/bin/jupyter-book build . -W -n --keep-going --path-output _build/test-html
+	$(PY) tests/check_built_book.py _build/test-html/_build/html
 
 unit: venv
 	$(PY) -m pytest -q tests
@@ -45,6 +47,8 @@ unit: venv
 notebooks: venv
 	$(PY) -m pytest -q --nbval-lax solutions
 
+# The test suite runs the notebooks with reduced measurement sizes (KVLAB_QUICK=1) to fit its budget.
+test: export KVLAB_QUICK := 1
 test: venv labs-check unit notebooks build-strict
 	@echo "make test: all passed"
 

@@ -25,6 +25,16 @@ import torch.utils.benchmark as benchmark
 from tqdm.auto import tqdm
 
 
+#: ``KVLAB_QUICK=1`` (set by ``make test``) shrinks every measurement grid so the whole test suite
+#: fits its budget; the published book (``make book``) is built with the full sizes.
+QUICK = os.environ.get("KVLAB_QUICK", "0") not in ("0", "", "false", "False")
+
+
+def pick(full, quick):
+    """``quick`` under ``KVLAB_QUICK=1`` (the test suite's smaller sizes), else ``full``."""
+    return quick if QUICK else full
+
+
 def set_threads(n: int | None = None, verbose: bool = True) -> int:
     """Fix torch's CPU thread count (``KVLAB_THREADS``, else every core, at most 8) and report it."""
     if n is None:
@@ -33,7 +43,8 @@ def set_threads(n: int | None = None, verbose: bool = True) -> int:
     torch.set_num_threads(n)
     if verbose:
         policy = os.environ.get("OMP_WAIT_POLICY", "(unset)")
-        print(f"torch threads: {n}   OMP_WAIT_POLICY={policy}")
+        mode = "   (KVLAB_QUICK: reduced sizes for the test suite)" if QUICK else ""
+        print(f"torch threads: {n}   OMP_WAIT_POLICY={policy}{mode}")
     return n
 
 

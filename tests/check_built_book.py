@@ -1,0 +1,51 @@
+"""After a book build: every page in the table of contents exists, chapters show their figures,
+no page shows an error, labs are unexecuted and solutions executed.
+
+usage: python tests/check_built_book.py BUILD_HTML_DIR
+(run by `make test` after the -W build; not collected by pytest because it needs a build)
+"""
+
+import re
+import sys
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def toc_files():
+    toc = yaml.safe_load((ROOT / "_toc.yml").read_text())
+    files = [toc["root"]]
+    for part in toc.get("parts", []):
+        files += [c["file"] for c in part.get("chapters", [])]
+    return files
+
+
+def main(html_dir: str) -> int:
+    html = Path(html_dir)
+    problems = []
+    for f in toc_files():
+        page = html / f"{f}.html"
+        if not page.exists():
+            problems.append(f"{page}: missing")
+            continue
+        text = page.read_text()
+        images = len(re.findall(r'<img[^>]+src="[^"]*_images/', text))
+        for bad in ("Traceback (most recent call last)", "Error in callback"):
+            if bad in text and not f.startswith("labs/"):
+                problems.append(f"{f}: page shows {bad!r}")
+        if f.startswith("book/ch") and images == 0:
+            problems.append(f"{f}: chapter has no figure (is MPLBACKEND=Agg set? kernels need the inline backend)")
+        if f.startswith("labs/") and "cell_output" in text:
+            problems.append(f"{f}: a lab page must be shown unexecuted")
+        if f.startswith("solutions/") and "PASSED check_" not in text:
+            problems.append(f"{f}: the solution's graders did not print PASSED")
+        print(f"{f}: {images} figures")
+    for p in problems:
+        print("PROBLEM:", p)
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1]))
