@@ -1,0 +1,114 @@
+"""The lab-4 graders accept the reference and reject each known mistake with a pointed message."""
+
+import math
+
+import pytest
+import torch
+
+from kvlab.checks import check_kv_cache_bytes, check_max_batch_size
+
+from conftest import expect_rejected
+
+
+def _shape(config):
+    layers = config.num_hidden_layers
+    heads = config.num_attention_heads
+    kv = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return layers, heads, kv, head_dim
+
+
+def correct(config, seq_len, batch_size, dtype):
+    layers, _, kv, head_dim = _shape(config)
+    return 2 * layers * kv * head_dim * seq_len * batch_size * dtype.itemsize
+
+
+def no_factor_2(config, seq_len, batch_size, dtype):
+    layers, _, kv, head_dim = _shape(config)
+    return layers * kv * head_dim * seq_len * batch_size * dtype.itemsize
+
+
+def no_layers(config, seq_len, batch_size, dtype):
+    # article B: 2 x batch x seq_len x n_heads x head_dim x bytes, the size of ONE layer
+    _, _, kv, head_dim = _shape(config)
+    return 2 * kv * head_dim * seq_len * batch_size * dtype.itemsize
+
+
+def query_heads(config, seq_len, batch_size, dtype):
+    layers, heads, _, head_dim = _shape(config)
+    return 2 * layers * heads * head_dim * seq_len * batch_size * dtype.itemsize
+
+
+def fixed_two_bytes(config, seq_len, batch_size, dtype):
+    layers, _, kv, head_dim = _shape(config)
+    return 2 * layers * kv * head_dim * seq_len * batch_size * 2
+
+
+def hidden_over_heads(config, seq_len, batch_size, dtype):
+    layers, heads, kv, _ = _shape(config)
+    return 2 * layers * kv * (config.hidden_size // heads) * seq_len * batch_size * dtype.itemsize
+
+
+def returns_float(config, seq_len, batch_size, dtype):
+    return float(correct(config, seq_len, batch_size, dtype))
+
+
+def finfo_bits(config, seq_len, batch_size, dtype):
+    layers, _, kv, head_dim = _shape(config)
+    return 2 * layers * kv * head_dim * seq_len * batch_size * torch.finfo(dtype).bits // 8
+
+
+def mb(config, seq_len, dtype, free_bytes):
+    return free_bytes // correct(config, seq_len, 1, dtype)
+
+
+def rounds_up(config, seq_len, dtype, free_bytes):
+    return math.ceil(free_bytes / correct(config, seq_len, 1, dtype))
+
+
+def strict_fit(config, seq_len, dtype, free_bytes):
+    per = correct(config, seq_len, 1, dtype)
+    b = 0
+    while (b + 1) * per < free_bytes:   # '<' where '<=' belongs
+        b += 1
+    return b
+
+
+def float_batch(config, seq_len, dtype, free_bytes):
+    return free_bytes / correct(config, seq_len, 1, dtype)
+
+
+def test_accepts_reference(capsys):
+    check_kv_cache_bytes(correct)
+    check_max_batch_size(mb)
+    out = capsys.readouterr().out
+    assert "PASSED check_kv_cache_bytes" in out and "PASSED check_max_batch_size" in out
+
+
+def test_accepts_library():
+    from kvlab.memory import kv_cache_bytes, max_batch_size
+
+    check_kv_cache_bytes(kv_cache_bytes)
+    check_max_batch_size(max_batch_size)
+
+
+@pytest.mark.parametrize("impl, needles", [
+    (no_factor_2, ["keys and values", "multiply by 2"]),
+    (no_layers, ["one layer", "article b", "layer count"]),
+    (query_heads, ["query heads", "num_key_value_heads"]),
+    (fixed_two_bytes, ["2 bytes per element", "itemsize"]),
+    (hidden_over_heads, ["sets head_dim explicitly"]),
+    (returns_float, ["return a python int"]),
+    (finfo_bits, ["int8", "itemsize"]),
+])
+def test_rejects_kv_cache_bytes(impl, needles):
+    expect_rejected(check_kv_cache_bytes, impl, *needles)
+
+
+@pytest.mark.parametrize("impl, needles", [
+    (rounds_up, ["rounded the batch up"]),
+    (strict_fit, ["exactly", "does fit"]),
+    (float_batch, ["return a python int"]),
+])
+def test_rejects_max_batch_size(impl, needles):
+    expect_rejected(check_max_batch_size, impl, *needles)
