@@ -9,8 +9,9 @@ values to, and gets back every key and value so far::
     cache.nbytes                               # bytes the cache really holds
 
 ``seq_len`` advances when the *last* layer has been updated, so during a forward pass every layer
-sees the same ``seq_len`` (the position offset of the new tokens). Implementations: the preallocated
-cache (chapter 3), the quantized cache (chapter 5, ``kvlab.quant``).
+sees the same ``seq_len`` (the position offset of the new tokens). Implementations: chapter 3's
+``PreallocatedCache`` (allocated once, written in place), ``ConcatCache`` (grows with ``torch.cat``,
+for comparison) and ``SlidingWindowCache`` (an aside); the quantized cache of chapter 5 (``kvlab.quant``).
 """
 
 from __future__ import annotations
@@ -42,3 +43,136 @@ class Cache(ABC):
     @abstractmethod
     def nbytes(self) -> int:
         """Bytes of tensor storage the cache holds right now (allocated, not just used)."""
+
+
+def _nbytes(*tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+class PreallocatedCache(Cache):
+    """Chapter 3's cache: every layer's keys and values in buffers allocated once, written in place.
+
+    One tensor holds the keys of all layers, ``[n_layer, batch, heads, max_len, head_dim]``, another
+    the values. A forward pass over ``T`` new tokens writes positions ``seq_len .. seq_len+T-1`` of
+    each layer and gets back a *view* of positions ``0 .. seq_len+T-1``: no copy of the past, no
+    ``torch.cat``, no allocation per step.
+    """
+
+    def __init__(self, n_layer: int, batch_size: int, n_head: int, head_dim: int, max_len: int,
+                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
+        if min(n_layer, batch_size, n_head, head_dim, max_len) < 1:
+            raise ValueError("n_layer, batch_size, n_head, head_dim and max_len must all be >= 1")
+        self.n_layer, self.batch_size, self.n_head, self.head_dim, self.max_len = (
+            n_layer, batch_size, n_head, head_dim, max_len)
+        shape = (n_layer, batch_size, n_head, max_len, head_dim)
+        self.keys = torch.zeros(shape, dtype=dtype, device=device)
+        self.values = torch.zeros(shape, dtype=dtype, device=device)
+        self._len = 0   # tokens stored in every layer, i.e. where the next write starts
+
+    def update(self, layer, k, v):
+        B, H, T, D = k.shape
+        if (B, H, D) != (self.batch_size, self.n_head, self.head_dim) or v.shape != k.shape:
+            raise ValueError(
+                f"cache holds [batch={self.batch_size}, heads={self.n_head}, seq, head_dim={self.head_dim}] "
+                f"but got keys {list(k.shape)} and values {list(v.shape)}")
+        start, end = self._len, self._len + T
+        if end > self.max_len:
+            raise ValueError(
+                f"cannot store {T} more token(s) after the {start} already cached: that is {end} tokens, "
+                f"past the cache's max_len of {self.max_len}. GPT-2's context (n_positions) is the real "
+                "limit: it has no position embedding beyond it, so shorten the prompt or generate less")
+        self.keys[layer, :, :, start:end] = k          # in place: the past is never copied
+        self.values[layer, :, :, start:end] = v
+        if layer == self.n_layer - 1:                  # every layer has seen these tokens now
+            self._len = end
+        return self.keys[layer, :, :, :end], self.values[layer, :, :, :end]
+
+    def reset(self):
+        self._len = 0  # the buffers stay allocated; stale entries are simply never read again
+
+    @property
+    def seq_len(self):
+        return self._len
+
+    @property
+    def nbytes(self):
+        return _nbytes(self.keys, self.values)
+
+
+class ConcatCache(Cache):
+    """The obvious cache: append each step's keys and values with ``torch.cat`` (what transformers'
+    ``DynamicCache`` does). Every step allocates a new tensor one token longer and copies the whole
+    past into it, so a step at position ``p`` moves ``O(p)`` bytes just to remember them."""
+
+    def __init__(self, n_layer: int):
+        self.n_layer = n_layer
+        self.keys: list[torch.Tensor | None] = [None] * n_layer
+        self.values: list[torch.Tensor | None] = [None] * n_layer
+
+    def update(self, layer, k, v):
+        if self.keys[layer] is None:
+            self.keys[layer], self.values[layer] = k, v
+        else:
+            self.keys[layer] = torch.cat([self.keys[layer], k], dim=2)      # copies the whole past
+            self.values[layer] = torch.cat([self.values[layer], v], dim=2)
+        return self.keys[layer], self.values[layer]
+
+    def reset(self):
+        self.keys = [None] * self.n_layer
+        self.values = [None] * self.n_layer
+
+    @property
+    def seq_len(self):
+        last = self.keys[-1]   # the last layer is updated last: this advances after a whole pass
+        return 0 if last is None else last.shape[2]
+
+    @property
+    def nbytes(self):
+        return _nbytes(*self.keys, *self.values)
+
+
+class SlidingWindowCache(Cache):
+    """Keep only the last ``window`` tokens of every layer (an aside of chapter 3).
+
+    Memory stays bounded, but two things change. ``seq_len`` counts every token seen, not the ones
+    held, because *positions keep increasing*: the 700th token still gets position embedding 699.
+    And the model no longer sees its whole context, so its output differs from full attention once
+    the text is longer than the window. GPT-2 was never trained like this; here it is a way to see
+    what a window costs, not a recipe (models such as Mistral are trained with one).
+
+    ``update`` returns the held tokens followed by the new ones, so a new token attends to the
+    ``window`` tokens before it plus itself; the model takes ``past_len`` from the keys it gets back.
+    """
+
+    def __init__(self, n_layer: int, window: int):
+        if window < 1:
+            raise ValueError(f"window must be >= 1, got {window}")
+        self.n_layer, self.window = n_layer, window
+        self.keys: list[torch.Tensor | None] = [None] * n_layer
+        self.values: list[torch.Tensor | None] = [None] * n_layer
+        self._seen = 0
+
+    def update(self, layer, k, v):
+        new = k.shape[2]
+        if self.keys[layer] is not None:
+            k = torch.cat([self.keys[layer], k], dim=2)
+            v = torch.cat([self.values[layer], v], dim=2)
+        # keep a copy of the last `window` tokens only; what falls out is forgotten for good
+        self.keys[layer] = k[:, :, -self.window:].clone()
+        self.values[layer] = v[:, :, -self.window:].clone()
+        if layer == self.n_layer - 1:
+            self._seen += new   # positions count every token, held or dropped
+        return k, v
+
+    def reset(self):
+        self.keys = [None] * self.n_layer
+        self.values = [None] * self.n_layer
+        self._seen = 0
+
+    @property
+    def seq_len(self):
+        return self._seen
+
+    @property
+    def nbytes(self):
+        return _nbytes(*self.keys, *self.values)

@@ -1,0 +1,188 @@
+"""Grader for lab 5: ``quantize(x, bits, dim) -> (q, scale, zero_point)`` and
+``dequantize(q, scale, zero_point) -> Tensor``, asymmetric min/max quantization along ``dim``.
+
+The reference is float64 arithmetic on the same inputs: the step of each slice must be
+``(max - min) / (2**bits - 1)``, and every reconstructed value must lie within half of the
+candidate's own step of the original.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._common import fail, passed
+
+NAME = "check_quantize"
+BITS = (8, 4, 2)
+
+
+def _inputs() -> list[tuple[torch.Tensor, tuple]]:
+    """Fresh tensors shaped like a cache ``[batch, heads, tokens, head_dim]`` (every size different,
+    so a wrong axis shows in the shapes) with an outlier channel and an offset token, like real keys."""
+    g = torch.Generator().manual_seed(20250505)
+    x4 = torch.randn(2, 3, 24, 16, generator=g)
+    x4[..., 5] = x4[..., 5] * 12 + 4          # an outlier channel
+    x4[:, :, 7, :] += 3                       # a token shifted upwards
+    x2 = torch.rand(10, 6, generator=g) * 5 - 1
+    return [(x4, (-1, -2, 1, 3, 0)), (x2, (0, -1))]
+
+
+def _reduced_shape(shape, dim) -> tuple:
+    dim = dim % len(shape)
+    return tuple(1 if i == dim else s for i, s in enumerate(shape))
+
+
+def _which_dims(shape, scale_shape) -> str:
+    """Describe which axes a wrongly shaped scale was reduced over."""
+    if len(scale_shape) != len(shape):
+        return f"a scale of shape {list(scale_shape)} (did you forget keepdim=True?)"
+    reduced = [i for i, (a, b) in enumerate(zip(shape, scale_shape)) if b == 1 and a != 1]
+    return f"statistics taken along dim(s) {reduced}"
+
+
+def _call_quantize(quantize, x, bits, dim):
+    xin = x.clone()
+    out = quantize(xin, bits, dim)
+    if not torch.equal(xin, x):
+        raise fail(NAME, "quantize modified its input x in place; compute new tensors instead")
+    if not isinstance(out, (tuple, list)) or len(out) != 3:
+        raise fail(NAME, f"quantize must return a tuple (q, scale, zero_point); got {type(out).__name__}")
+    q, scale, zp = out
+    for name, t in (("q", q), ("scale", scale), ("zero_point", zp)):
+        if not isinstance(t, torch.Tensor):
+            raise fail(NAME, f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    return q, scale, zp
+
+
+def _check_one(quantize, dequantize, x: torch.Tensor, bits: int, dim) -> None:
+    levels = 2 ** bits - 1
+    where = f"x of shape {list(x.shape)}, bits={bits}, dim={dim}"
+    q, scale, zp = _call_quantize(quantize, x, bits, dim)
+
+    # integer storage: the whole point of quantizing a cache is fewer bytes
+    if q.dtype.is_floating_point:
+        raise fail(NAME, f"{where}: q is {q.dtype}: you store the rounded codes as floats, which is "
+                         "article A's mistake (it takes as many bytes as the original and saves no memory). "
+                         "Store integer codes: q = torch.round(...).clamp(0, 2**bits - 1).to(torch.uint8)")
+    if q.dtype != torch.uint8:
+        raise fail(NAME, f"{where}: q is {q.dtype} ({q.element_size()} bytes a code); store codes as "
+                         "torch.uint8, one byte each (codes 0 .. 2**bits - 1 always fit)")
+    if tuple(q.shape) != tuple(x.shape):
+        raise fail(NAME, f"{where}: q must have the shape of x, {list(x.shape)}; got {list(q.shape)}")
+
+    # one scale per slice along dim, keepdim=True
+    want = _reduced_shape(x.shape, dim)
+    if scale.numel() == 1 or (scale.dim() > 0 and all(s == 1 for s in scale.shape)):
+        raise fail(NAME, f"{where}: you use one scale for the whole tensor (scale has {scale.numel()} "
+                         f"element). Take min and max along dim only: x.amin(dim=dim, keepdim=True) gives "
+                         f"one scale per slice, shape {list(want)}, so one outlier cannot spoil every slice")
+    if tuple(scale.shape) != want:
+        raise fail(NAME, f"{where}: statistics along the wrong axis: scale should have shape {list(want)} "
+                         f"(min/max reduced along dim={dim}, keepdim=True), but yours has {list(scale.shape)}: "
+                         f"{_which_dims(x.shape, scale.shape)}. dim is the axis to reduce over")
+    if tuple(zp.shape) != want:
+        raise fail(NAME, f"{where}: zero_point should have the shape of scale, {list(want)}; got {list(zp.shape)}")
+    if not (torch.isfinite(scale).all() and torch.isfinite(zp).all()):
+        raise fail(NAME, f"{where}: scale or zero_point contains NaN or inf")
+
+    # the step: (max - min) / (2**bits - 1), in float64
+    xd = x.double()
+    lo, hi = xd.amin(dim=dim, keepdim=True), xd.amax(dim=dim, keepdim=True)
+    step = scale.double()
+    ref = (hi - lo) / levels
+    if not torch.allclose(step, ref, rtol=1e-4, atol=1e-7):
+        if torch.allclose(step, (hi - lo) / 2 ** bits, rtol=1e-4, atol=1e-7):
+            raise fail(NAME, f"{where}: scale is (max - min) / 2**bits. {bits} bits give 2**bits = {2 ** bits} "
+                             f"codes, 0 .. {levels}, so the range is split into 2**bits - 1 = {levels} steps: "
+                             "scale = (max - min) / (2**bits - 1)")
+        glob = (xd.max() - xd.min()) / levels
+        if torch.allclose(step, glob.expand_as(step), rtol=1e-4):
+            raise fail(NAME, f"{where}: every slice has the same scale, the whole tensor's range: that is "
+                             "one scale for the whole tensor, expanded. Take min and max of each slice: "
+                             "x.amin(dim=dim, keepdim=True), x.amax(dim=dim, keepdim=True)")
+        bad = ((step - ref).abs() / ref.clamp(min=1e-12)).max().item()
+        raise fail(NAME, f"{where}: scale should be the step of each slice, (max - min) / (2**bits - 1) with "
+                         f"min/max taken along dim; yours is off by up to {bad:.1%}")
+
+    if int(q.max()) > levels:
+        raise fail(NAME, f"{where}: a code is {int(q.max())}, but {bits} bits hold only 0 .. {levels}: "
+                         "clamp the codes to [0, 2**bits - 1]")
+
+    xhat = dequantize(q, scale, zp)
+    if not isinstance(xhat, torch.Tensor) or not xhat.dtype.is_floating_point:
+        raise fail(NAME, f"dequantize must return a floating-point tensor, got {getattr(xhat, 'dtype', type(xhat))}")
+    if tuple(xhat.shape) != tuple(x.shape):
+        raise fail(NAME, f"{where}: dequantize returned shape {list(xhat.shape)}, expected {list(x.shape)}")
+    if not torch.isfinite(xhat).all():
+        raise fail(NAME, f"{where}: dequantize returned NaN or inf")
+    err = (xhat.double() - xd).abs()
+    # half a step, plus float32 rounding slack (a few ulps of the values involved)
+    tol = step / 2 * (1 + 1e-4) + 4e-7 * (1 + xd.abs() + zp.double().abs())
+    if (err > tol).any():
+        steps = err / step
+        worst = steps.max().item()
+        signed = ((xhat.double() - xd) / step).mean().item()
+        if worst <= 1.0 + 1e-3 and signed < -0.25:
+            raise fail(NAME, f"{where}: reconstruction is off by up to {worst:.2f} of a step and lies below x on average: "
+                             "you truncate (floor, int(), or .to(torch.uint8) alone, which truncates) instead of "
+                             "rounding to the nearest code. Use torch.round((x - min) / scale) before converting")
+        raise fail(NAME, f"{where}: dequantize(quantize(x)) is off by up to {worst:.2f} steps; at most half a "
+                         "step is allowed. dequantize must invert quantize: x_hat = q * scale + zero_point "
+                         "(zero_point = min), with q = round((x - min) / scale)")
+
+
+def _check_constant(quantize, dequantize, bits: int) -> None:
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(2, 2, 12, 8, generator=g)
+    cases = []
+    xc = x.clone()
+    xc[..., 3] = 0.37                          # a constant channel: constant along tokens (dim=-2)
+    xc[..., 6] = 0.0
+    cases.append((xc, -2, (..., slice(None), 3)))
+    xt = x.clone()
+    xt[:, :, 4, :] = -1.25                     # a constant token: constant along channels (dim=-1)
+    cases.append((xt, -1, (slice(None), slice(None), 4, slice(None))))
+    for xin, dim, idx in cases:
+        where = f"bits={bits}, dim={dim}, a slice with max == min"
+        q, scale, zp = _call_quantize(quantize, xin, bits, dim)
+        xhat = dequantize(q, scale, zp)
+        if not (torch.isfinite(scale).all() and torch.isfinite(zp).all() and torch.isfinite(xhat).all()):
+            raise fail(NAME, f"{where}: NaN or inf on a constant slice. There max - min = 0, so scale = 0 "
+                             "and (x - min) / scale = 0/0. Replace a zero scale by any positive number, e.g. "
+                             "torch.where(scale > 0, scale, torch.ones_like(scale)): every code is then 0 and "
+                             "zero_point = min gives the constant back exactly")
+        if (scale <= 0).any():
+            raise fail(NAME, f"{where}: scale is 0 on a constant slice, so (x - min) / scale is 0/0 = NaN "
+                             "before the cast to uint8 (which hides it: casting NaN gives an arbitrary code, "
+                             "0 here, something else elsewhere). Replace a zero scale by any positive number, "
+                             "e.g. torch.where(scale > 0, scale, torch.ones_like(scale))")
+        c = xin[idx]
+        if not torch.allclose(xhat[idx].double(), c.double(), rtol=1e-6, atol=1e-6):
+            raise fail(NAME, f"{where}: a constant slice must come back exactly (it has no range to lose); "
+                             f"got errors up to {(xhat[idx] - c).abs().max().item():.3g}")
+
+
+def check_quantize(quantize, dequantize) -> None:
+    """Grade a learner's asymmetric min/max ``quantize`` / ``dequantize`` against float64 arithmetic."""
+    n = 0
+    for bits in BITS:
+        for x, dims in _inputs():
+            for dim in dims:
+                _check_one(quantize, dequantize, x, bits, dim)
+                n += 1
+        _check_constant(quantize, dequantize, bits)
+    x = _inputs()[0][0]
+    for bad in (1, 3, 16):
+        try:
+            quantize(x.clone(), bad, -1)
+        except ValueError:
+            continue
+        except NotImplementedError:
+            raise
+        except Exception as e:  # noqa: BLE001 - any other error type is the learner's to fix
+            raise fail(NAME, f"bits={bad}: raise ValueError naming the supported bits (2, 4, 8); "
+                             f"you raised {type(e).__name__}: {e}") from None
+        raise fail(NAME, f"bits={bad} is not supported: quantize must raise ValueError saying bits must be "
+                         "one of (2, 4, 8), not return codes")
+    passed(NAME, f"{n} tensors/bits/dims round-trip within half a step (float64 reference), uint8 codes, "
+                 "constant slices exact, unsupported bits rejected")

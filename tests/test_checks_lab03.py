@@ -1,0 +1,185 @@
+"""The lab-3 graders accept the reference pieces and reject each known mistake with a pointed message."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvlab.cache import ConcatCache, PreallocatedCache
+from kvlab.checks import check_attention, check_generate_with_cache, check_kv_cache
+from kvlab.gpt2 import attention as reference_attention
+
+from conftest import expect_rejected
+
+
+# --- attention: the right one and the wrong ones ------------------------------------------------------
+
+def _masked(q, k, v, allowed, scale):
+    scores = (q @ k.transpose(-2, -1)) * scale
+    return torch.softmax(scores.masked_fill(~allowed, float("-inf")), -1) @ v
+
+
+def attention_no_mask(q, k, v, past_len):                       # article C's prefill bug
+    return torch.softmax(q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1]), -1) @ v
+
+
+def attention_mask_ignores_past(q, k, v, past_len):             # tril on [T, S]: top-left corner
+    T, S = q.shape[-2], k.shape[-2]
+    return _masked(q, k, v, torch.ones(T, S, dtype=torch.bool).tril(), 1 / math.sqrt(q.shape[-1]))
+
+
+def attention_is_causal_flag(q, k, v, past_len):                # sdpa's is_causal, used with a past
+    return F.scaled_dot_product_attention(q, k, v, is_causal=q.shape[-2] > 1)
+
+
+def attention_scale_1_over_d(q, k, v, past_len):
+    T, S = q.shape[-2], k.shape[-2]
+    allowed = torch.arange(S)[None] <= torch.arange(past_len, past_len + T)[:, None]
+    return _masked(q, k, v, allowed, 1 / q.shape[-1])
+
+
+def attention_no_scale(q, k, v, past_len):
+    T, S = q.shape[-2], k.shape[-2]
+    allowed = torch.arange(S)[None] <= torch.arange(past_len, past_len + T)[:, None]
+    return _masked(q, k, v, allowed, 1.0)
+
+
+def attention_batch_one(q, k, v, past_len):                      # squeezes the batch away
+    return reference_attention(q[0], k[0], v[0], past_len) if q.dim() == 4 else None
+
+
+def attention_row_zero_only(q, k, v, past_len):                  # runs row 0 and broadcasts it
+    out = reference_attention(q[:1], k[:1], v[:1], past_len)
+    return out.expand(q.shape[0], -1, -1, -1).contiguous()
+
+
+# --- caches: the wrong ones ---------------------------------------------------------------------------
+
+class CacheNoReset(PreallocatedCache):
+    def reset(self):
+        pass                                                     # article C: never reset between prompts
+
+
+class CacheSeqLenStuck(PreallocatedCache):
+    @property
+    def seq_len(self):
+        return 0                                                 # positions restart at 0 every step
+
+
+class CacheWrongOffset(PreallocatedCache):
+    def update(self, layer, k, v):                               # writes one slot too far
+        T, start = k.shape[2], self._len
+        self.keys[layer, :, :, start + 1:start + 1 + T] = k
+        self.values[layer, :, :, start + 1:start + 1 + T] = v
+        if layer == self.n_layer - 1:
+            self._len += T
+        return self.keys[layer, :, :, :start + T], self.values[layer, :, :, :start + T]
+
+
+class CacheWritesAtZero(PreallocatedCache):
+    def update(self, layer, k, v):                               # always overwrites position 0..
+        T, start = k.shape[2], self._len
+        self.keys[layer, :, :, :T] = k
+        self.values[layer, :, :, :T] = v
+        if layer == self.n_layer - 1:
+            self._len += T
+        return self.keys[layer, :, :, :start + T], self.values[layer, :, :, :start + T]
+
+
+class CacheNoBatch:
+    """Article C: buffers without a batch dimension (row 0 kept, then broadcast)."""
+
+    def __init__(self, n_layer, batch_size, n_head, head_dim, max_len, dtype, device):
+        self.n_layer, self.batch = n_layer, batch_size
+        self.k = torch.zeros(n_layer, n_head, max_len, head_dim, dtype=dtype, device=device)
+        self.v = torch.zeros_like(self.k)
+        self.pos = 0
+
+    def update(self, layer, k, v):
+        T = k.shape[2]
+        self.k[layer, :, self.pos:self.pos + T] = k[0]
+        self.v[layer, :, self.pos:self.pos + T] = v[0]
+        end = self.pos + T
+        if layer == self.n_layer - 1:
+            self.pos = end
+        B = k.shape[0]
+        return self.k[layer, :, :end][None].expand(B, -1, -1, -1), self.v[layer, :, :end][None].expand(B, -1, -1, -1)
+
+    def reset(self):
+        self.pos = 0
+
+    @property
+    def seq_len(self):
+        return self.pos
+
+
+class CacheSqueeze(CacheNoBatch):
+    def update(self, layer, k, v):                               # k.squeeze(0): fails for batch > 1
+        T = k.shape[2]
+        self.k[layer, :, self.pos:self.pos + T] = k.squeeze(0)
+        self.v[layer, :, self.pos:self.pos + T] = v.squeeze(0)
+        end = self.pos + T
+        if layer == self.n_layer - 1:
+            self.pos = end
+        return self.k[layer, :, :end][None], self.v[layer, :, :end][None]
+
+
+class CacheConcat(ConcatCache):
+    def __init__(self, n_layer, batch_size, n_head, head_dim, max_len, dtype, device):
+        super().__init__(n_layer)
+
+
+class CacheNoOverflowCheck(PreallocatedCache):
+    def update(self, layer, k, v):                               # silently truncates a write past max_len
+        room = self.max_len - self._len
+        return super().update(layer, k[:, :, :room], v[:, :, :room])
+
+
+# --- the tests ----------------------------------------------------------------------------------------
+
+def test_accepts_reference(capsys):
+    check_kv_cache(PreallocatedCache)
+    check_attention(reference_attention)
+    check_generate_with_cache(PreallocatedCache, reference_attention)
+    out = capsys.readouterr().out
+    for name in ("check_kv_cache", "check_attention", "check_generate_with_cache"):
+        assert f"PASSED {name}" in out
+
+
+@pytest.mark.parametrize("impl, needles", [
+    (attention_no_mask, ["no causal mask"]),
+    (attention_mask_ignores_past, ["ignores past_len"]),
+    (attention_is_causal_flag, ["ignores past_len"]),
+    (attention_scale_1_over_d, ["scale", "sqrt(D)"]),
+    (attention_no_scale, ["not scaled"]),
+    (attention_batch_one, ["batch"]),
+    (attention_row_zero_only, ["batch size 1"]),
+])
+def test_attention_rejects(impl, needles):
+    expect_rejected(check_attention, impl, *needles)
+
+
+@pytest.mark.parametrize("impl, needles", [
+    (CacheNoReset, ["reset()"]),
+    (CacheSeqLenStuck, ["never advances", "restarting at 0"]),
+    (CacheWrongOffset, ["position 1", "offset"]),
+    (CacheWritesAtZero, ["offset"]),
+    (CacheNoBatch, ["batch"]),
+    (CacheSqueeze, ["batch"]),
+    (CacheConcat, ["preallocate"]),
+    (CacheNoOverflowCheck, ["max_len"]),
+])
+def test_kv_cache_rejects(impl, needles):
+    expect_rejected(check_kv_cache, impl, *needles)
+
+
+@pytest.mark.parametrize("cache, attn, needles", [
+    (PreallocatedCache, attention_no_mask, ["your attention"]),
+    (PreallocatedCache, attention_mask_ignores_past, ["your attention"]),
+    (CacheNoReset, reference_attention, ["reset()", "second"]),
+    (CacheSeqLenStuck, reference_attention, ["your kvcache", "seq_len"]),
+    (CacheNoBatch, reference_attention, ["your kvcache"]),
+])
+def test_generate_rejects(cache, attn, needles):
+    expect_rejected(lambda pair: check_generate_with_cache(*pair), (cache, attn), *needles)

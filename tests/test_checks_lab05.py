@@ -1,0 +1,148 @@
+"""The lab-5 grader accepts the reference quantizer and rejects each known mistake with a pointed message."""
+
+import pytest
+import torch
+
+from kvlab.checks import check_quantize
+from kvlab.quant import dequantize, quantize
+
+from conftest import expect_rejected
+
+
+def test_accepts_reference(capsys):
+    check_quantize(quantize, dequantize)
+    assert "PASSED check_quantize" in capsys.readouterr().out
+
+
+def _validate(bits):
+    if bits not in (2, 4, 8):
+        raise ValueError("bits must be one of (2, 4, 8)")
+
+
+def integer_zero_point(x, bits, dim):
+    """Also correct: the integer-library convention x_hat = (q - z) * scale with a float z."""
+    _validate(bits)
+    levels = 2 ** bits - 1
+    lo, hi = x.amin(dim, keepdim=True), x.amax(dim, keepdim=True)
+    scale = (hi - lo) / levels
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    z = -lo / scale
+    return torch.round(x / scale + z).clamp(0, levels).to(torch.uint8), scale, z
+
+
+def integer_dequantize(q, scale, z):
+    return (q.float() - z) * scale
+
+
+def test_accepts_integer_zero_point_convention(capsys):
+    check_quantize(integer_zero_point, integer_dequantize)
+    assert "PASSED" in capsys.readouterr().out
+
+
+def one_scale_for_whole_tensor(x, bits, dim):
+    _validate(bits)
+    levels = 2 ** bits - 1
+    lo, hi = x.min(), x.max()
+    scale = (hi - lo) / levels
+    return torch.round((x - lo) / scale).clamp(0, levels).to(torch.uint8), scale, lo
+
+
+def whole_tensor_scale_expanded(x, bits, dim):
+    q, scale, lo = one_scale_for_whole_tensor(x, bits, dim)
+    shape = [1 if i == dim % x.dim() else s for i, s in enumerate(x.shape)]
+    return q, scale.expand(shape), lo.expand(shape)
+
+
+def wrong_axis(x, bits, dim):
+    return quantize(x, bits, -1)             # ignores dim: always per last axis
+
+
+def other_axes(x, bits, dim):
+    """Keeps dim and reduces every other axis (the opposite reading of 'along dim')."""
+    _validate(bits)
+    levels = 2 ** bits - 1
+    others = tuple(i for i in range(x.dim()) if i != dim % x.dim())
+    lo, hi = x.amin(others, keepdim=True), x.amax(others, keepdim=True)
+    scale = (hi - lo) / levels
+    return torch.round((x - lo) / scale).clamp(0, levels).to(torch.uint8), scale, lo
+
+
+def floats_stored(x, bits, dim):
+    """Article A: the rounded codes kept in the float dtype."""
+    q, scale, lo = quantize(x, bits, dim)
+    return q.to(x.dtype), scale, lo
+
+
+def int32_codes(x, bits, dim):
+    q, scale, lo = quantize(x, bits, dim)
+    return q.to(torch.int32), scale, lo
+
+
+def truncation(x, bits, dim):
+    _validate(bits)
+    levels = 2 ** bits - 1
+    lo, hi = x.amin(dim, keepdim=True), x.amax(dim, keepdim=True)
+    scale = (hi - lo) / levels
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    return ((x - lo) / scale).clamp(0, levels).to(torch.uint8), scale, lo     # .to(uint8) truncates
+
+
+def two_pow_bits_levels(x, bits, dim):
+    _validate(bits)
+    lo, hi = x.amin(dim, keepdim=True), x.amax(dim, keepdim=True)
+    scale = (hi - lo) / 2 ** bits
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    return torch.round((x - lo) / scale).clamp(0, 2 ** bits - 1).to(torch.uint8), scale, lo
+
+
+def nan_on_constant(x, bits, dim):
+    _validate(bits)
+    levels = 2 ** bits - 1
+    lo, hi = x.amin(dim, keepdim=True), x.amax(dim, keepdim=True)
+    scale = (hi - lo) / levels                                       # 0 on a constant slice
+    return torch.round((x - lo) / scale).clamp(0, levels).to(torch.uint8), scale, lo
+
+
+def any_bits(x, bits, dim):
+    levels = 2 ** bits - 1
+    lo, hi = x.amin(dim, keepdim=True), x.amax(dim, keepdim=True)
+    scale = torch.where(hi > lo, (hi - lo) / levels, torch.ones_like(lo))
+    return torch.round((x - lo) / scale).clamp(0, levels).to(torch.uint8), scale, lo
+
+
+def wrong_error_type(x, bits, dim):
+    if bits not in (2, 4, 8):
+        raise TypeError("bad bits")
+    return quantize(x, bits, dim)
+
+
+def dequantize_forgets_zero_point(q, scale, zero_point):
+    return q.to(scale.dtype) * scale
+
+
+def in_place(x, bits, dim):
+    out = quantize(x, bits, dim)
+    x.mul_(2)
+    return out
+
+
+@pytest.mark.parametrize("impl, needles", [
+    (one_scale_for_whole_tensor, ["one scale for the whole tensor"]),
+    (whole_tensor_scale_expanded, ["one scale for the whole tensor"]),
+    (wrong_axis, ["wrong axis"]),
+    (other_axes, ["wrong axis"]),
+    (floats_stored, ["article a", "uint8"]),
+    (int32_codes, ["torch.uint8"]),
+    (truncation, ["truncate", "torch.round"]),
+    (two_pow_bits_levels, ["2**bits - 1"]),
+    (nan_on_constant, ["constant slice", "nan"]),
+    (any_bits, ["valueerror", "(2, 4, 8)"]),
+    (wrong_error_type, ["valueerror", "typeerror"]),
+    (in_place, ["in place"]),
+])
+def test_rejects(impl, needles):
+    expect_rejected(lambda f: check_quantize(f, dequantize), impl, *needles)
+
+
+def test_rejects_dequantize_without_zero_point():
+    expect_rejected(lambda f: check_quantize(quantize, f), dequantize_forgets_zero_point, "zero_point")
