@@ -37,7 +37,7 @@ def main(html_dir: str) -> int:
                 problems.append(f"{f}: page shows {bad!r}")
         if f.startswith("book/ch") and images == 0:
             problems.append(f"{f}: chapter has no figure (is MPLBACKEND=Agg set? kernels need the inline backend)")
-        if f.startswith("labs/") and "cell_output" in text:
+        if f.startswith("labs/") and 'class="cell_output' in text:
             problems.append(f"{f}: a lab page must be shown unexecuted")
         if f.startswith("solutions/") and "PASSED check_" not in text:
             problems.append(f"{f}: the solution's graders did not print PASSED")
