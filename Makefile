@@ -13,7 +13,7 @@ export PYTHONHASHSEED  ?= 0
 unexport MPLBACKEND
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: book test venv labs labs-check clean clean-book unit notebooks build-strict
+.PHONY: book test venv labs labs-check clean clean-book unit notebooks build-strict bench
 
 venv: $(VENV)/.installed
 $(VENV)/.installed: requirements.txt pyproject.toml
@@ -40,6 +40,11 @@ build-strict: venv
 	rm -rf _build/test-html
 	$(VENV)/bin/jupyter-book build . -W -n --keep-going --path-output _build/test-html
 	$(PY) tests/check_built_book.py _build/test-html/_build/html
+
+# Headline speed ratios in one interleaved run (not part of the tests: timings are never asserted).
+# Peer comparison: make bench BENCH_ARGS="--model shape:gpt2 --threads 1 --no-naive"
+bench: venv
+	$(PY) -m kvlab.bench $(BENCH_ARGS)
 
 unit: venv
 	$(PY) -m pytest -q tests

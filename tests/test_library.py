@@ -159,3 +159,12 @@ def test_set_threads_reports(capsys, monkeypatch):
     assert timing.set_threads() == 1 and torch.get_num_threads() == 1
     assert "torch threads: 1" in capsys.readouterr().out
     torch.set_num_threads(before)
+
+
+def test_bench_command_checks_tokens_then_times(capsys):
+    from kvlab import bench
+    ratios = bench.run("kvlab-tiny", new_tokens=6, prompt_len=4, repeats=1, threads=None, naive=True)
+    assert set(ratios) == {"transformers generate (DynamicCache)", "kvlab cached_generate (DynamicCache loop)",
+                           "kvlab hand-built GPT-2, preallocated cache", "naive (no cache)"}
+    assert ratios["transformers generate (DynamicCache)"] == 1.0
+    assert "identical tokens" in capsys.readouterr().out

@@ -1,0 +1,73 @@
+"""The benchmark command: the book's headline speed ratios, measured in one interleaved run.
+
+    python -m kvlab.bench                                  # kvlab-tiny, 200 new tokens
+    python -m kvlab.bench --model shape:gpt2 --threads 1   # the peer comparison (124M shape, 1 thread)
+    make bench                                             # the same as the first line
+
+Before timing anything it checks that every generator produces the same tokens (a fast wrong
+generator is not a result). It then prints ratios, each from one interleaved run on this machine,
+with the banner that says which machine that is. No test asserts these numbers: they are
+measurements, not properties.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from . import gpt2, models, timing
+from .generate import cached_generate, hf_greedy, naive_generate
+
+
+def run(model_name: str, new_tokens: int, prompt_len: int, repeats: int, threads: int | None,
+        naive: bool) -> dict[str, float]:
+    timing.set_threads(threads)
+    device = models.pick_device()
+    hf, _ = models.load(model_name, device=device)
+    models.banner(hf, device)
+    ours = gpt2.GPT2.from_hf(hf).to(device).eval()
+    ctx = hf.config.n_positions
+    if prompt_len + new_tokens > ctx:
+        raise SystemExit(f"prompt {prompt_len} + {new_tokens} new tokens exceeds the context of {ctx}")
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, hf.config.vocab_size, (1, prompt_len), generator=g).to(device)
+
+    runs = {
+        "transformers generate (DynamicCache)": lambda: hf_greedy(hf, prompt, new_tokens),
+        "kvlab cached_generate (DynamicCache loop)": lambda: cached_generate(hf, prompt, new_tokens),
+        "kvlab hand-built GPT-2, preallocated cache": lambda: gpt2.generate(ours, prompt, new_tokens),
+    }
+    if naive:
+        runs["naive (no cache)"] = lambda: naive_generate(hf, prompt, new_tokens)
+    reference = runs["transformers generate (DynamicCache)"]()
+    for name, fn in runs.items():
+        if not torch.equal(fn().cpu(), reference.cpu()):
+            raise SystemExit(f"{name} does not reproduce transformers' greedy tokens: not timing it")
+    print(f"all {len(runs)} generators give identical tokens ({new_tokens} new, prompt {prompt_len})")
+
+    res = timing.compare(runs, warmup=0, repeats=repeats)   # the correctness pass above was the warm-up
+    base = res["transformers generate (DynamicCache)"]
+    print(f"\n{'generator':46s} {'median s':>9s} {'tokens/s':>9s} {'speed vs transformers':>22s}")
+    out = {}
+    for name, t in res.items():
+        out[name] = timing.ratio(base, t)
+        print(f"{name:46s} {t.median:9.3f} {new_tokens / t.median:9.1f} {out[name]:21.2f}x   "
+              f"(spread {t.spread:.0%})")
+    return out
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="kvlab-tiny", help="any name kvlab.models.load accepts")
+    ap.add_argument("--new-tokens", type=int, default=200)
+    ap.add_argument("--prompt-len", type=int, default=8)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=None, help="CPU threads (default: KVLAB_THREADS or all cores)")
+    ap.add_argument("--no-naive", action="store_true", help="skip the (slow) uncached generator")
+    args = ap.parse_args(argv)
+    run(args.model, args.new_tokens, args.prompt_len, args.repeats, args.threads, naive=not args.no_naive)
+
+
+if __name__ == "__main__":
+    main()
