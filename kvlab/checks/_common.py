@@ -48,3 +48,28 @@ def first_difference(a: torch.Tensor, b: torch.Tensor) -> int:
     """Index of the first differing element of two 1-D tensors of equal length (-1 if equal)."""
     diff = (a != b).nonzero()
     return int(diff[0]) if diff.numel() else -1
+
+
+def check_generated_ids(check: str, out, prompt: torch.Tensor, before: torch.Tensor, n: int) -> None:
+    """The shape contract of every single-prompt generator: a LongTensor ``[1, T + n]`` that starts
+    with the prompt, which must not have been modified. Raises with a pointed message otherwise."""
+    T = prompt.shape[1]
+    if not isinstance(out, torch.Tensor):
+        raise fail(check, f"return a torch.Tensor of token ids, got {type(out).__name__}")
+    if not torch.equal(prompt, before):
+        raise fail(check, "your function modified input_ids in place; build a new tensor instead")
+    if out.dtype != torch.long:
+        raise fail(check, f"token ids must be torch.long, got {out.dtype}")
+    if out.dim() != 2 or out.shape[0] != 1:
+        raise fail(check, f"return shape [1, T + max_new_tokens]; got {list(out.shape)}")
+    L = out.shape[1]
+    if L != T + n:
+        if L == n:
+            raise fail(check, f"prompt of {T} tokens, max_new_tokens={n}: you returned {L} tokens, only the "
+                              "new ones. Return the prompt followed by the new tokens.")
+        if L in (T + n - 1, T + n + 1):
+            raise fail(check, f"prompt of {T} tokens, max_new_tokens={n}: expected {T + n} tokens, got {L} "
+                              f"(you generated {L - T} new tokens: an off-by-one in your loop)")
+        raise fail(check, f"prompt of {T} tokens, max_new_tokens={n}: expected {T + n} tokens, got {L}")
+    if not torch.equal(out[:, :T].cpu(), prompt):
+        raise fail(check, "the result must start with the prompt, unchanged")

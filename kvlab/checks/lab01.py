@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..generate import hf_greedy
-from ._common import fail, first_difference, fresh_prompts, grading_model, passed
+from ._common import check_generated_ids, fail, first_difference, fresh_prompts, grading_model, passed
 
 NAME = "check_naive_generate"
 
@@ -40,26 +40,8 @@ def check_naive_generate(naive_generate) -> None:
         T = prompt.shape[1]
         before = prompt.clone()
         out = naive_generate(model, prompt, n)
-        if not isinstance(out, torch.Tensor):
-            raise fail(NAME, f"return a torch.Tensor of token ids, got {type(out).__name__}")
-        if not torch.equal(prompt, before):
-            raise fail(NAME, "your function modified input_ids in place; build a new tensor instead")
-        if out.dtype != torch.long:
-            raise fail(NAME, f"token ids must be torch.long, got {out.dtype}")
-        if out.dim() != 2 or out.shape[0] != 1:
-            raise fail(NAME, f"return shape [1, T + max_new_tokens]; got {list(out.shape)}")
-        L = out.shape[1]
-        if L != T + n:
-            if L == n:
-                raise fail(NAME, f"prompt of {T} tokens, max_new_tokens={n}: you returned {L} tokens, only "
-                                 "the new ones. Return the prompt followed by the new tokens.")
-            if L in (T + n - 1, T + n + 1):
-                raise fail(NAME, f"prompt of {T} tokens, max_new_tokens={n}: expected {T + n} tokens, got {L} "
-                                 f"(you generated {L - T} new tokens: an off-by-one in your loop)")
-            raise fail(NAME, f"prompt of {T} tokens, max_new_tokens={n}: expected {T + n} tokens, got {L}")
+        check_generated_ids(NAME, out, prompt, before, n)
         out = out.cpu()
-        if not torch.equal(out[:, :T], prompt):
-            raise fail(NAME, "the result must start with the prompt, unchanged")
         want = hf_greedy(model, prompt, n, use_cache=False)
         i = first_difference(out[0], want[0])
         if i >= 0:

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from ..generate import hf_greedy
-from ._common import fail, first_difference, fresh_prompts, grading_model, passed
+from ._common import check_generated_ids, fail, first_difference, fresh_prompts, grading_model, passed
 from .lab01 import diagnose_token
 
 NAME = "check_cached_generate"
@@ -129,26 +129,7 @@ class _Watch:
 
 
 def _check_shape(out, prompt, before, n) -> None:
-    T = prompt.shape[1]
-    if not isinstance(out, torch.Tensor):
-        raise fail(NAME, f"return a torch.Tensor of token ids, got {type(out).__name__}")
-    if not torch.equal(prompt, before):
-        raise fail(NAME, "your function modified input_ids in place; build a new tensor instead")
-    if out.dtype != torch.long:
-        raise fail(NAME, f"token ids must be torch.long, got {out.dtype}")
-    if out.dim() != 2 or out.shape[0] != 1:
-        raise fail(NAME, f"return shape [1, T + max_new_tokens]; got {list(out.shape)}")
-    L = out.shape[1]
-    if L != T + n:
-        if L == n:
-            raise fail(NAME, f"prompt of {T} tokens, max_new_tokens={n}: you returned {L} tokens, only the "
-                             "new ones. Return the prompt followed by the new tokens.")
-        if L in (T + n - 1, T + n + 1):
-            raise fail(NAME, f"prompt of {T} tokens, max_new_tokens={n}: expected {T + n} tokens, got {L} "
-                             f"(you generated {L - T} new tokens: an off-by-one in your loop)")
-        raise fail(NAME, f"prompt of {T} tokens, max_new_tokens={n}: expected {T + n} tokens, got {L}")
-    if not torch.equal(out[:, :T].cpu(), prompt):
-        raise fail(NAME, "the result must start with the prompt, unchanged")
+    check_generated_ids(NAME, out, prompt, before, n)
 
 
 def check_cached_generate(cached_generate) -> None:
