@@ -16,17 +16,20 @@ def context_length(model) -> int:
     return int(getattr(cfg, "n_positions", None) or getattr(cfg, "max_position_embeddings"))
 
 
-def check_inputs(model, input_ids, max_new_tokens: int) -> torch.Tensor:
-    """Validate a prompt and a token budget; return ``input_ids`` on the model's device."""
+def check_inputs(model, input_ids, max_new_tokens: int, batched: bool = False) -> torch.Tensor:
+    """Validate a prompt (``[1, T]``; ``[B, T]`` of equal-length prompts when ``batched``) and a token
+    budget; return ``input_ids`` on the model's device."""
+    shape = "[batch, T]" if batched else "[1, T]"
     if not isinstance(input_ids, torch.Tensor) or input_ids.dtype != torch.long:
-        raise ValueError("input_ids must be a torch.LongTensor of token ids, shape [1, T]; "
+        raise ValueError(f"input_ids must be a torch.LongTensor of token ids, shape {shape}; "
                          "use tokenizer(text, return_tensors='pt').input_ids")
-    if input_ids.dim() != 2 or input_ids.shape[0] != 1:
-        raise ValueError(f"input_ids must have shape [1, T] (one prompt), got {list(input_ids.shape)}; "
-                         "for several prompts see chapter 6 (batched generation)")
-    if input_ids.shape[1] == 0:
-        raise ValueError("the prompt is empty: greedy generation needs at least one token to condition "
-                         "on (start from the tokenizer's bos/eos token if you want unconditional text)")
+    if input_ids.dim() != 2 or (not batched and input_ids.shape[0] != 1):
+        raise ValueError(f"input_ids must have shape {shape}, got {list(input_ids.shape)}"
+                         + ("" if batched else "; for several prompts see chapter 6 (batched generation)"))
+    if input_ids.shape[0] == 0 or input_ids.shape[1] == 0:
+        raise ValueError(f"the prompt is empty (shape {list(input_ids.shape)}): greedy generation needs at "
+                         "least one token to condition on (start from the tokenizer's bos/eos token if you "
+                         "want unconditional text)")
     if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be a non-negative int, got {max_new_tokens!r}")
     limit = context_length(model)

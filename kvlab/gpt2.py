@@ -28,6 +28,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .cache import PreallocatedCache
+from .generate import check_inputs as _check_inputs
 
 
 @dataclass
@@ -193,22 +194,8 @@ class GPT2(nn.Module):
 
 
 def check_inputs(model, input_ids, max_new_tokens: int) -> torch.Tensor:
-    """Like :func:`kvlab.generate.check_inputs`, for a batch ``[B, T]`` of equal-length prompts."""
-    if not isinstance(input_ids, torch.Tensor) or input_ids.dtype != torch.long or input_ids.dim() != 2:
-        raise ValueError("input_ids must be a torch.LongTensor of token ids, shape [batch, T]; "
-                         "use tokenizer(text, return_tensors='pt').input_ids")
-    if input_ids.shape[0] == 0 or input_ids.shape[1] == 0:
-        raise ValueError(f"the prompt is empty (shape {list(input_ids.shape)}): greedy generation needs at "
-                         "least one token to condition on")
-    if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens must be a non-negative int, got {max_new_tokens!r}")
-    limit, total = model.config.n_positions, input_ids.shape[1] + max_new_tokens
-    if total > limit:
-        raise ValueError(
-            f"prompt ({input_ids.shape[1]} tokens) + max_new_tokens ({max_new_tokens}) = {total} exceeds "
-            f"the model's context of {limit} positions; shorten the prompt or ask for fewer tokens "
-            "(GPT-2 has no position embedding beyond its context, so nothing is truncated for you)")
-    return input_ids.to(model.wte.weight.device)
+    """:func:`kvlab.generate.check_inputs` for a batch ``[B, T]`` of equal-length prompts."""
+    return _check_inputs(model, input_ids, max_new_tokens, batched=True)
 
 
 @torch.no_grad()
