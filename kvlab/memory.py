@@ -505,8 +505,10 @@ def calculator_widget(configs: dict, default: str | None = None):
     Returns the widget box (display it in a live notebook). The logic lives in :func:`calculator`;
     a static book shows the widget as dead HTML, so print a table for a default setting as well.
     """
+    import io
+
     import ipywidgets as w
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure
 
     names = list(configs)
     model = w.Dropdown(options=names, value=default or names[0], description="model")
@@ -514,7 +516,7 @@ def calculator_widget(configs: dict, default: str | None = None):
     batch = w.IntText(value=1, description="batch")
     dtype = w.Dropdown(options=["fp32", "fp16", "bf16", "int8"], value="fp16", description="cache dtype")
     text = w.HTML()          # the numbers (a widget value: testable without a kernel)
-    out = w.Output()         # the bar chart
+    image = w.Image(format="png")   # the bar chart, as PNG bytes
 
     def redraw(*_):
         try:
@@ -525,15 +527,19 @@ def calculator_widget(configs: dict, default: str | None = None):
         box.result = r
         text.value = "<pre>" + html.escape(calculator_text(model.value, ctx.value, max(batch.value, 0),
                                                            dtype.value, r)) + "</pre>"
-        out.clear_output(wait=True)
-        with out:
-            fig, ax = plt.subplots(figsize=(5, 3))
-            plot_calculator(r, ax, title=f"{model.value}, {ctx.value:,} tokens x {batch.value}")
-            fig.tight_layout()
-            plt.show()
+        # Render off-screen into the Image widget rather than plt.show() inside an Output widget:
+        # no display messages are captured mid-execution, which kept headless runs (nbclient) from
+        # occasionally waiting forever for a kernel that had already finished.
+        fig = Figure(figsize=(5, 3))
+        ax = fig.add_subplot()
+        plot_calculator(r, ax, title=f"{model.value}, {ctx.value:,} tokens x {batch.value}")
+        fig.tight_layout()
+        buf = io.BytesIO()
+        fig.savefig(buf, format="png", dpi=90)
+        image.value = buf.getvalue()
 
-    box = w.VBox([w.HBox([model, dtype]), w.HBox([ctx, batch]), text, out])
-    box.text, box.output, box.redraw = text, out, redraw   # handles for tests and for a manual refresh
+    box = w.VBox([w.HBox([model, dtype]), w.HBox([ctx, batch]), text, image])
+    box.text, box.image, box.redraw = text, image, redraw   # handles for tests and for a manual refresh
     for control in (model, ctx, batch, dtype):
         control.observe(redraw, names="value")
     redraw()

@@ -214,6 +214,7 @@ def test_calculator_widget_updates():
     dropdown.value = "Llama-3.1-8B"          # the observer redraws for the new model
     assert "Llama-3.1-8B" in box.text.value and "KV cache" in box.text.value
     assert box.result == memory.calculator(models["Llama-3.1-8B"], 8192, 1, "fp16")
+    assert box.image.value[:8] == b"\x89PNG\r\n\x1a\n"   # the chart was redrawn
     box.children[1].children[1].value = 3    # batch
     assert box.result["cache_bytes"] == memory.kv_cache_bytes(models["Llama-3.1-8B"], 8192, 3, torch.float16)
     box.children[1].children[1].value = -1   # nonsense input: treated as 0, no exception
