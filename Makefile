@@ -50,7 +50,7 @@ unit: venv
 	$(PY) -m pytest -q tests
 
 notebooks: venv
-	$(PY) -m pytest -q --nbval-lax solutions
+	$(PY) -m pytest -q --nbval-lax --nbval-cell-timeout=600 solutions
 
 # The test suite runs the notebooks with reduced measurement sizes (KVLAB_QUICK=1) to fit its budget.
 test: export KVLAB_QUICK := 1
