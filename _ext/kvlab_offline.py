@@ -7,6 +7,12 @@
 * ipywidgets outputs: no widget manager is loaded from a CDN (``nb_ipywidgets_js`` is emptied in
   _config.yml), and the widget-view mime type is dropped for HTML builders, so a widget's static
   fallback (its ``text/html``, e.g. the memory calculator's table and figure) is what a page shows.
+
+Two console errors of the theme stack that the browser test (tests/browser_check.py) caught:
+* sphinx-thebe adds its inline config script twice under Jupyter Book 1 (``const THEBE_JS_URL``
+  declared twice: a SyntaxError on every page); identical script entries are dropped here;
+* pydata-sphinx-theme logs "Got invalid theme mode" on a reader's first visit unless the
+  ``default_mode`` context variable is set; it is set to ``auto`` (follow the system).
 """
 
 import shutil
@@ -20,11 +26,25 @@ logger = logging.getLogger(__name__)
 
 
 def _config_inited(app, config):
+    config.html_context.setdefault("default_mode", "auto")
     if (MATHJAX / "tex-mml-chtml.js").exists():
         config.mathjax_path = "mathjax/tex-mml-chtml.js"   # relative: served from _static/
     else:
         logger.warning(f"MathJax not found at {MATHJAX}: run `npm ci` in {ROOT} (the book would "
                        "load MathJax from a CDN and show raw LaTeX offline)")
+
+
+def _page_context(app, pagename, templatename, context, doctree):
+    """Drop repeated script entries: the same file, or the same inline body (filename None or "")."""
+    files = context.get("script_files", [])
+    seen, unique = set(), []
+    for js in files:
+        attrs = getattr(js, "attributes", {}) or {}
+        key = (getattr(js, "filename", None) or "", str(attrs.get("body", "")))   # None and "" alike
+        if key not in seen:
+            seen.add(key)
+            unique.append(js)
+    files[:] = unique
 
 
 def _build_finished(app, exc):
@@ -34,5 +54,6 @@ def _build_finished(app, exc):
 
 def setup(app):
     app.connect("config-inited", _config_inited)
+    app.connect("html-page-context", _page_context, priority=900)   # after the others add theirs
     app.connect("build-finished", _build_finished)
     return {"parallel_read_safe": True, "parallel_write_safe": True}

@@ -74,10 +74,12 @@ def with_setup(source: str, block: str, where: str) -> str:
     lines = source.split("\n")
     if not lines[0].startswith(SETUP_BEGIN):
         return block + "\n\n" + source
-    for j, line in enumerate(lines):
-        if line.strip() == SETUP_END or line.strip().startswith(OLD_SETUP_END):
-            return "\n".join([block] + lines[j + 1:])
-    raise ValueError(f"{where}: setup block without '{SETUP_END}'")
+    ends = [j for j, line in enumerate(lines) if line.strip() == SETUP_END]
+    if not ends:   # a solution written before the end marker existed
+        ends = [j for j, line in enumerate(lines) if line.strip().startswith(OLD_SETUP_END)]
+    if not ends:
+        raise ValueError(f"{where}: setup block without '{SETUP_END}'")
+    return "\n".join([block] + lines[ends[0] + 1:])
 _DEF = re.compile(r"^\s*(?:async\s+)?(?:def|class)\s+([A-Za-z_]\w*)")
 
 

@@ -41,6 +41,9 @@ def test_setup_block_is_added_replaced_and_upgraded():
     assert labs.with_setup("# Setup old\nimport x\n# end of setup\nimport torch", block, "t") == block + "\nimport torch"
     old = '# Setup. old\nif 1:\n    sys.path.insert(0, "/tmp/kvlab")\n\nimport torch'
     assert labs.with_setup(old, block, "t") == block + "\n\nimport torch"
+    once = labs.with_setup(old, labs.setup_block(), "t")
+    assert labs.with_setup(once, labs.setup_block(), "t") == once     # idempotent
+    assert once.count("# end of setup") == 1
     with pytest.raises(ValueError, match="end of setup"):
         labs.with_setup("# Setup\nimport x", block, "t")
 
