@@ -25,6 +25,7 @@ class Cache(ABC):
     """The interface every kvlab cache implements."""
 
     n_layer: int
+    _len: int = 0   # tokens stored in every layer (the caches that count rather than measure)
 
     @abstractmethod
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -35,9 +36,15 @@ class Cache(ABC):
         """Forget every stored token (keep the memory, if preallocated)."""
 
     @property
-    @abstractmethod
     def seq_len(self) -> int:
         """Number of tokens stored (equal in every layer between forward passes)."""
+        return self._len
+
+    def _advance(self, layer: int, new_tokens: int) -> None:
+        """Count ``new_tokens`` once the *last* layer has stored them: during a forward pass every
+        layer must read the same ``seq_len`` (the position offset of the new tokens)."""
+        if layer == self.n_layer - 1:
+            self._len += new_tokens
 
     @property
     @abstractmethod
@@ -45,7 +52,8 @@ class Cache(ABC):
         """Bytes of tensor storage the cache holds right now (allocated, not just used)."""
 
 
-def _nbytes(*tensors) -> int:
+def tensor_bytes(*tensors) -> int:
+    """Bytes of the elements of ``tensors`` (``None`` entries, an empty layer, count 0)."""
     return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
@@ -83,20 +91,15 @@ class PreallocatedCache(Cache):
                 "limit: it has no position embedding beyond it, so shorten the prompt or generate less")
         self.keys[layer, :, :, start:end] = k          # in place: the past is never copied
         self.values[layer, :, :, start:end] = v
-        if layer == self.n_layer - 1:                  # every layer has seen these tokens now
-            self._len = end
+        self._advance(layer, T)                        # after the last layer: every layer has them
         return self.keys[layer, :, :, :end], self.values[layer, :, :, :end]
 
     def reset(self):
         self._len = 0  # the buffers stay allocated; stale entries are simply never read again
 
     @property
-    def seq_len(self):
-        return self._len
-
-    @property
     def nbytes(self):
-        return _nbytes(self.keys, self.values)
+        return tensor_bytes(self.keys, self.values)
 
 
 class ConcatCache(Cache):
@@ -128,7 +131,7 @@ class ConcatCache(Cache):
 
     @property
     def nbytes(self):
-        return _nbytes(*self.keys, *self.values)
+        return tensor_bytes(*self.keys, *self.values)
 
 
 class SlidingWindowCache(Cache):
@@ -150,7 +153,7 @@ class SlidingWindowCache(Cache):
         self.n_layer, self.window = n_layer, window
         self.keys: list[torch.Tensor | None] = [None] * n_layer
         self.values: list[torch.Tensor | None] = [None] * n_layer
-        self._seen = 0
+        self._len = 0   # every token seen, held or dropped
 
     def update(self, layer, k, v):
         new = k.shape[2]
@@ -160,19 +163,14 @@ class SlidingWindowCache(Cache):
         # keep a copy of the last `window` tokens only; what falls out is forgotten for good
         self.keys[layer] = k[:, :, -self.window:].clone()
         self.values[layer] = v[:, :, -self.window:].clone()
-        if layer == self.n_layer - 1:
-            self._seen += new   # positions count every token, held or dropped
+        self._advance(layer, new)   # positions count every token, held or dropped
         return k, v
 
     def reset(self):
         self.keys = [None] * self.n_layer
         self.values = [None] * self.n_layer
-        self._seen = 0
-
-    @property
-    def seq_len(self):
-        return self._seen
+        self._len = 0
 
     @property
     def nbytes(self):
-        return _nbytes(*self.keys, *self.values)
+        return tensor_bytes(*self.keys, *self.values)

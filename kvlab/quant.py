@@ -31,7 +31,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from .cache import Cache
+from .cache import Cache, tensor_bytes
 
 SUPPORTED_BITS = (2, 4, 8)
 
@@ -147,10 +147,6 @@ def unpack_2bit(p: torch.Tensor) -> torch.Tensor:
     return unpack(p, 2)
 
 
-def tensor_bytes(*tensors) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
-
-
 # ----------------------------------------------------------------------------- the quantized cache
 
 #: Statistics modes. The cache quantizes whole blocks of tokens at once, viewed as
@@ -213,10 +209,6 @@ class QuantizedCache(Cache):
         self._len = 0
 
     @property
-    def seq_len(self) -> int:
-        return self._len
-
-    @property
     def quantized_len(self) -> int:
         """Tokens stored quantized (the rest are in the full-precision window)."""
         return 0 if self._qk[0] is None else self._qk[0][0].shape[2] * self.block
@@ -262,8 +254,7 @@ class QuantizedCache(Cache):
             # .clone(): keep only the window's own bytes, not a view of the bigger tensor
             k, v = k[..., nq:, :].clone(), v[..., nq:, :].clone()
         self._win_k[layer], self._win_v[layer] = k, v
-        if layer == self.n_layer - 1:
-            self._len += T
+        self._advance(layer, T)
         if self._qk[layer] is None:
             return k, v
         keys = self._dequantize(self._qk[layer], self.key_mode).to(k.dtype)
@@ -312,16 +303,11 @@ class AbsmaxFakeInt8Cache(Cache):
         self._chunks = [[] for _ in range(self.n_layer)]
         self._len = 0
 
-    @property
-    def seq_len(self) -> int:
-        return self._len
-
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor):
         if self._len + k.shape[-2] > self.max_len:
             raise ValueError(f"cache full: {self._len} + {k.shape[-2]} tokens > max_len {self.max_len}")
         self._chunks[layer].append((absmax_per_tensor_fake_int8(k), absmax_per_tensor_fake_int8(v)))
-        if layer == self.n_layer - 1:
-            self._len += k.shape[-2]
+        self._advance(layer, k.shape[-2])
         keys = torch.cat([q * s for (q, s), _ in self._chunks[layer]], dim=-2)
         values = torch.cat([q * s for _, (q, s) in self._chunks[layer]], dim=-2)
         return keys, values
