@@ -28,7 +28,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .cache import PreallocatedCache
-from .generate import check_inputs as _check_inputs
+from .generate import check_inputs
 
 
 @dataclass
@@ -193,11 +193,6 @@ class GPT2(nn.Module):
 # Greedy generation
 
 
-def check_inputs(model, input_ids, max_new_tokens: int) -> torch.Tensor:
-    """:func:`kvlab.generate.check_inputs` for a batch ``[B, T]`` of equal-length prompts."""
-    return _check_inputs(model, input_ids, max_new_tokens, batched=True)
-
-
 @torch.no_grad()
 def generate(model: GPT2, input_ids, max_new_tokens: int, cache=None) -> torch.Tensor:
     """Greedy decoding with a cache: prefill the prompt once, then one token per step.
@@ -205,7 +200,7 @@ def generate(model: GPT2, input_ids, max_new_tokens: int, cache=None) -> torch.T
     ``cache`` is reset first (a new prompt must not see the previous one's keys); without one, a
     :meth:`GPT2.new_cache` just big enough is made. Returns ``[B, T + max_new_tokens]``.
     """
-    ids = check_inputs(model, input_ids, max_new_tokens)
+    ids = check_inputs(model, input_ids, max_new_tokens, batched=True)
     B, T = ids.shape
     if max_new_tokens == 0:
         return ids
@@ -225,7 +220,7 @@ def generate(model: GPT2, input_ids, max_new_tokens: int, cache=None) -> torch.T
 @torch.no_grad()
 def generate_uncached(model: GPT2, input_ids, max_new_tokens: int) -> torch.Tensor:
     """Step (a) of chapter 3: no cache, the whole sequence through the model at every step."""
-    ids = check_inputs(model, input_ids, max_new_tokens)
+    ids = check_inputs(model, input_ids, max_new_tokens, batched=True)
     for _ in range(max_new_tokens):
         next_id = model(ids, last_only=True)[:, -1].argmax(dim=-1, keepdim=True)
         ids = torch.cat([ids, next_id], dim=1)
