@@ -101,7 +101,7 @@ def _check_batch(model, input_ids, attention_mask, max_new_tokens) -> None:
 
 @torch.no_grad()
 def generate_batch(model, input_ids, attention_mask, max_new_tokens: int, eos_token_id=None, pad_id=None):
-    """Greedy new tokens for a left-padded batch, one forward per step with a ``DynamicCache``.
+    """Greedy new tokens for a left-padded batch, one forward per step with a ``DynamicCache`` (chapter 6).
 
     Returns a ``LongTensor [B, n]`` of new tokens, ``n = max_new_tokens`` unless ``eos_token_id`` is
     given and every row has produced it (then generation stops early). A row that has finished is fed

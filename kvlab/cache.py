@@ -103,7 +103,7 @@ class PreallocatedCache(Cache):
 
 
 class ConcatCache(Cache):
-    """The obvious cache: append each step's keys and values with ``torch.cat`` (what transformers'
+    """Chapter 3's first cache: append each step's keys and values with ``torch.cat`` (what transformers'
     ``DynamicCache`` does). Every step allocates a new tensor one token longer and copies the whole
     past into it, so a step at position ``p`` moves ``O(p)`` bytes just to remember them."""
 
@@ -156,6 +156,7 @@ class SlidingWindowCache(Cache):
         self._len = 0   # every token seen, held or dropped
 
     def update(self, layer, k, v):
+        """Chapter 3's aside: append, attend over held + new tokens, keep only the last ``window``."""
         new = k.shape[2]
         if self.keys[layer] is not None:
             k = torch.cat([self.keys[layer], k], dim=2)

@@ -49,7 +49,7 @@ def check_inputs(model, input_ids, max_new_tokens: int, batched: bool = False) -
 
 @torch.no_grad()
 def naive_generate(model, input_ids: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
-    """Greedy decoding with no cache: every step re-runs the whole sequence (O(N^2) token-positions)."""
+    """Greedy decoding with no cache (chapter 1): every step re-runs the whole sequence (O(N^2) positions)."""
     ids = check_inputs(model, input_ids, max_new_tokens)
     for _ in range(max_new_tokens):
         logits = model(ids, use_cache=False).logits       # [1, t, vocab]: all positions recomputed
@@ -60,7 +60,8 @@ def naive_generate(model, input_ids: torch.Tensor, max_new_tokens: int) -> torch
 
 @torch.no_grad()
 def cached_generate(model, input_ids: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
-    """Greedy decoding with transformers' ``DynamicCache``: prefill the prompt once, then one token a step."""
+    """Greedy decoding with transformers' ``DynamicCache`` (chapter 2): prefill the prompt once, then one
+    token a step."""
     from transformers import DynamicCache
 
     ids = check_inputs(model, input_ids, max_new_tokens)

@@ -120,7 +120,8 @@ def measure_config(config, seq_len: int, batch_size: int, dtype) -> int:
 
 
 class TensorMemoryTracker:
-    """Current and peak bytes of tensor storage *allocated inside* a ``with`` block, on any device.
+    """Current and peak bytes of tensor storage *allocated inside* a ``with`` block, on any device
+    (chapter 2; chapter 4 uses it too).
 
     A ``TorchDispatchMode`` sees every tensor operation; each output whose storage is new (not shared
     with one of the op's inputs: views and in-place results are not new memory) is counted until

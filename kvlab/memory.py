@@ -177,7 +177,7 @@ def bytes_per_element(dtype) -> int:
 
 
 def kv_cache_bytes(config, seq_len: int, batch_size: int, dtype) -> int:
-    """Bytes of a full KV cache: ``2 x layers x kv_heads x head_dim x seq_len x batch x bytes``.
+    """Bytes of a full KV cache (chapter 4): ``2 x layers x kv_heads x head_dim x seq_len x batch x bytes``.
 
     The factor 2 is one tensor for keys and one for values; every layer has its own pair.
     """

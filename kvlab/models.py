@@ -219,7 +219,8 @@ def banner(model, device=None) -> str:
 
 
 @torch.no_grad()
-def window_loss(model, ids, window: int = 512, batch: int = 8, max_windows: int | None = None) -> tuple[float, int]:
+def window_loss(model, ids, window: int = 512, batch: int = 8,
+                max_windows: int | None = None) -> tuple[float, int]:
     """The book's perplexity protocol (the model card, ``models/train_tiny.py``, the tests).
 
     Cut a 1-D sequence of token ids into consecutive, non-overlapping windows of ``window`` tokens

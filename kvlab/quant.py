@@ -46,7 +46,8 @@ def check_bits(bits) -> int:
 # ----------------------------------------------------------------------------- quantize / dequantize
 
 def quantize(x: torch.Tensor, bits: int, dim) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Asymmetric min/max quantization of ``x`` to ``bits`` bits along ``dim`` (an int or a tuple).
+    """Asymmetric min/max quantization of ``x`` to ``bits`` bits along ``dim`` (an int or a tuple;
+    chapter 5).
 
     Returns ``(q, scale, zero_point)``: ``q`` is ``torch.uint8`` with the shape of ``x`` and values in
     ``[0, 2**bits - 1]``; ``scale`` and ``zero_point`` have ``x``'s dtype and its shape with ``dim``
@@ -105,7 +106,7 @@ def absmax_per_tensor_fake_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Te
 # ----------------------------------------------------------------------------- packing
 
 def pack(q: torch.Tensor, bits: int) -> torch.Tensor:
-    """Pack ``8 // bits`` codes per byte along the last axis (8 bits: returned as is)."""
+    """Pack ``8 // bits`` codes per byte along the last axis (8 bits: returned as is; chapter 5)."""
     per = 8 // check_bits(bits)
     if q.dtype != torch.uint8:
         raise ValueError(f"pack expects torch.uint8 codes, got {q.dtype}")
@@ -232,6 +233,7 @@ class QuantizedCache(Cache):
         return new if old is None else tuple(torch.cat([a, b], dim=2) for a, b in zip(old, new))
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor):
+        """Chapter 5: append to the window, quantize its oldest whole blocks, return all (dequantized)."""
         B, H, T, D = k.shape
         if (B, H, D) != (self.batch_size, self.n_head, self.head_dim) or v.shape != k.shape:
             raise ValueError(f"cache built for batch {self.batch_size}, {self.n_head} heads, head_dim "
@@ -340,8 +342,7 @@ def compare(ref_logprobs: torch.Tensor, logprobs: torch.Tensor, targets: torch.T
     ``kl``: mean KL(full precision || quantized) of the next-token distributions, in nats;
     ``agree``: fraction of positions where both pick the same top-1 token.
     """
-    nll = -logprobs.gather(-1, targets[..., None]).mean().item()
-    nll_ref = -ref_logprobs.gather(-1, targets[..., None]).mean().item()
+    nll, nll_ref = (-lp.gather(-1, targets[..., None]).mean().item() for lp in (logprobs, ref_logprobs))
     kl = F.kl_div(logprobs, ref_logprobs, log_target=True, reduction="none").sum(-1).mean().item()
     agree = (logprobs.argmax(-1) == ref_logprobs.argmax(-1)).float().mean().item()
     return {"ppl_ref": math.exp(nll_ref), "ppl": math.exp(nll), "ppl_change": math.exp(nll - nll_ref) - 1,
