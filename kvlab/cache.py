@@ -46,6 +46,22 @@ class Cache(ABC):
         if layer == self.n_layer - 1:
             self._len += new_tokens
 
+    def _check_update(self, k: torch.Tensor, v: torch.Tensor) -> int:
+        """For caches sized up front (``batch_size``, ``n_head``, ``head_dim``, ``max_len``): refuse keys
+        and values of another shape, or more tokens than fit; return the number of new tokens."""
+        B, H, T, D = k.shape
+        if (B, H, D) != (self.batch_size, self.n_head, self.head_dim) or v.shape != k.shape:
+            raise ValueError(
+                f"cache holds [batch={self.batch_size}, heads={self.n_head}, seq, head_dim={self.head_dim}] "
+                f"but got keys {list(k.shape)} and values {list(v.shape)}")
+        if self._len + T > self.max_len:
+            raise ValueError(
+                f"cannot store {T} more token(s) after the {self._len} already cached: that is "
+                f"{self._len + T} tokens, past the cache's max_len of {self.max_len}. GPT-2's context "
+                "(n_positions) is the real limit: it has no position embedding beyond it, so shorten the "
+                "prompt or generate less")
+        return T
+
     @property
     @abstractmethod
     def nbytes(self) -> int:
@@ -78,17 +94,8 @@ class PreallocatedCache(Cache):
         self._len = 0   # tokens stored in every layer, i.e. where the next write starts
 
     def update(self, layer, k, v):
-        B, H, T, D = k.shape
-        if (B, H, D) != (self.batch_size, self.n_head, self.head_dim) or v.shape != k.shape:
-            raise ValueError(
-                f"cache holds [batch={self.batch_size}, heads={self.n_head}, seq, head_dim={self.head_dim}] "
-                f"but got keys {list(k.shape)} and values {list(v.shape)}")
+        T = self._check_update(k, v)                   # the cache's shape, and room for T more tokens
         start, end = self._len, self._len + T
-        if end > self.max_len:
-            raise ValueError(
-                f"cannot store {T} more token(s) after the {start} already cached: that is {end} tokens, "
-                f"past the cache's max_len of {self.max_len}. GPT-2's context (n_positions) is the real "
-                "limit: it has no position embedding beyond it, so shorten the prompt or generate less")
         self.keys[layer, :, :, start:end] = k          # in place: the past is never copied
         self.values[layer, :, :, start:end] = v
         self._advance(layer, T)                        # after the last layer: every layer has them

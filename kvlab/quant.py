@@ -234,12 +234,8 @@ class QuantizedCache(Cache):
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor):
         """Chapter 5: append to the window, quantize its oldest whole blocks, return all (dequantized)."""
-        B, H, T, D = k.shape
-        if (B, H, D) != (self.batch_size, self.n_head, self.head_dim) or v.shape != k.shape:
-            raise ValueError(f"cache built for batch {self.batch_size}, {self.n_head} heads, head_dim "
-                             f"{self.head_dim}; got keys {list(k.shape)} and values {list(v.shape)}")
-        if self._len + T > self.max_len:
-            raise ValueError(f"cache full: {self._len} + {T} tokens > max_len {self.max_len}")
+        T = self._check_update(k, v)
+        B, H, _, D = k.shape
         if self._win_k[layer] is not None:
             k = torch.cat([self._win_k[layer], k], dim=-2)
             v = torch.cat([self._win_v[layer], v], dim=-2)
@@ -306,10 +302,9 @@ class AbsmaxFakeInt8Cache(Cache):
         self._len = 0
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor):
-        if self._len + k.shape[-2] > self.max_len:
-            raise ValueError(f"cache full: {self._len} + {k.shape[-2]} tokens > max_len {self.max_len}")
+        T = self._check_update(k, v)
         self._chunks[layer].append((absmax_per_tensor_fake_int8(k), absmax_per_tensor_fake_int8(v)))
-        self._advance(layer, k.shape[-2])
+        self._advance(layer, T)
         keys = torch.cat([q * s for (q, s), _ in self._chunks[layer]], dim=-2)
         values = torch.cat([q * s for _, (q, s) in self._chunks[layer]], dim=-2)
         return keys, values
