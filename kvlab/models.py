@@ -17,7 +17,6 @@ falls back to ``kvlab-tiny``, and prints which it chose and why.
 from __future__ import annotations
 
 import json
-import math
 import os
 import platform
 import socket
@@ -226,7 +225,8 @@ def window_loss(model, ids, window: int = 512, batch: int = 8,
     Cut a 1-D sequence of token ids into consecutive, non-overlapping windows of ``window`` tokens
     (the last partial window is dropped; ``max_windows`` keeps an evenly spaced subset), run the
     model on each (``batch`` windows at a time, in eval mode) and average the cross-entropy over
-    every predicted position (``window - 1`` per window). Returns ``(mean loss in nats, windows)``.
+    every predicted position (``window - 1`` per window). Returns ``(mean loss in nats, windows)``;
+    the perplexity is ``exp`` of the loss.
     """
     ids = torch.as_tensor(ids, dtype=torch.long).flatten()
     n = ids.numel() // window
@@ -247,11 +247,6 @@ def window_loss(model, ids, window: int = 512, batch: int = 8,
         count += x[:, 1:].numel()
     model.train(was_training)
     return total / count, windows.shape[0]
-
-
-def perplexity(model, ids, window: int = 512, batch: int = 8) -> float:
-    """Perplexity of ``model`` on a 1-D tensor of token ids: ``exp`` of :func:`window_loss`."""
-    return math.exp(window_loss(model, ids, window, batch)[0])
 
 
 def stamp(model, device=None) -> str:
