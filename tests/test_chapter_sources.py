@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 BOOK = Path(__file__).resolve().parent.parent / "book"
-INCLUDE = re.compile(r"```\{literalinclude\}\s+\.\./kvlab/(\w+)\.py\s*\n:pyobject:\s*([\w.]+)")
+# a literalinclude of a kvlab module, its option lines (":name: value"), among them :pyobject:
+INCLUDE = re.compile(r"```\{literalinclude\}\s+\.\./kvlab/(\w+)\.py\s*\n(?::\w+:.*\n)*?:pyobject:\s*([\w.]+)")
 
 
 def included_objects():
