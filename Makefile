@@ -72,14 +72,16 @@ test: venv node labs-check
 	@echo "make test: all passed"
 
 lane-code:
-	@echo "== lane code: unit tests, then every solution through nbval"
+	@date -u +"== lane code (%T): unit tests, then every solution through nbval"
 	$(MAKE) --no-print-directory unit
 	$(MAKE) --no-print-directory notebooks
+	@date -u +"== lane code: passed (%T)"
 
 lane-book:
-	@echo "== lane book: strict book build, then the browser test"
+	@date -u +"== lane book (%T): strict book build, then the browser test"
 	$(MAKE) --no-print-directory build-strict
 	$(MAKE) --no-print-directory browser
+	@date -u +"== lane book: passed (%T)"
 
 clean-book:
 	rm -rf _build

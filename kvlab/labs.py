@@ -8,14 +8,15 @@ In a solution notebook the learner's part of a code cell is fenced by two lines:
 
 In the generated lab each fenced region becomes a stub, indented like the region, that raises
 ``NotImplementedError`` naming the exercise (the function or class the region sits in); every output
-and execution count is cleared. Everything else is copied unchanged, except the **setup block**: the lines that open the first code
-cell from ``# Setup`` down to ``# end of setup`` (or, in a solution written before that marker, down
-to the ``sys.path.insert`` line). It is generated here from ``_config.yml`` (the repository's URL and
-branch) and ``kvlab.__version__``, and rewritten in both the solution and the lab, so a new solution
-only needs a first code cell; the block is added if the cell has none. Where kvlab is missing
-(Colab, Binder without postBuild, a bare Jupyter) the block clones the repository, checks that it
-holds the book's release, installs ``requirements-lab.txt`` (keeping an installed torch, e.g.
-Colab's, when it lies in the supported range) and the library itself.
+and execution count is cleared. Everything else is copied unchanged, except the **setup block**:
+the lines that open the first code cell, from ``# Setup`` down to ``# end of setup`` (or, in a
+solution written before that marker, down to the ``sys.path.insert`` line). It is generated here
+from ``_config.yml`` (the repository's URL and branch) and ``kvlab.__version__``, and rewritten in
+both the solution and the lab, so a new solution only needs a first code cell (the block is added
+if the cell has none). Where kvlab is missing (Colab, a bare Jupyter) the block clones the
+repository and runs ``kvlab/install.py`` from the clone: it checks that the clone holds the book's
+release, installs ``requirements-lab.txt`` keeping an installed torch (Colab's; a warning if it
+lies outside the tested range), then the library itself.
 
     python -m kvlab.labs            # regenerate labs/ (and the solutions' setup blocks)
     python -m kvlab.labs --check    # exit 1 if labs/ is out of date (what the tests run)
