@@ -76,6 +76,13 @@ def _lm_head(model) -> torch.Tensor:
     raise ValueError(f"cannot find the LM head of {type(model).__name__}")
 
 
+def position_table_share(model) -> float:
+    """Share of the weight bytes in a learned position table (``wpe``), which a step reads one row
+    of although the book's convention counts it whole; 0 for rotary models, which have none."""
+    table = next((m.weight for name, m in model.named_modules() if name.split(".")[-1] == "wpe"), None)
+    return 0.0 if table is None else table.numel() * table.element_size() / weight_bytes(model)
+
+
 def matmul_weights(model) -> int:
     """Number of weights used in matrix products: every 2-D weight of a Linear / Conv1D, and the LM
     head once. Embedding look-ups (a row read, no arithmetic) are left out."""
@@ -142,15 +149,27 @@ def step_time_floor(model, batch_size: int, seq_len: int, bandwidth: float, flop
                decode_step_flops(model, batch_size, seq_len) / flops)
 
 
+def _per_element(dtype_or_bytes) -> float:
+    """Bytes per element from a dtype, or a number of bytes as is (0.5 for a packed 4-bit format)."""
+    if isinstance(dtype_or_bytes, (int, float)) and not isinstance(dtype_or_bytes, bool):
+        if dtype_or_bytes <= 0:
+            raise ValueError(f"bytes per element must be > 0, got {dtype_or_bytes}")
+        return dtype_or_bytes
+    return bytes_per_element(dtype_or_bytes)
+
+
 def step_terms(model, batch_size: int, seq_len: int, bandwidth: float, flops: float,
                cache_dtype=None, weights_dtype=None) -> dict:
     """The floor's parts, in seconds: reading the weights, reading the cache, computing; and which
-    bounds the step. ``cache_dtype`` / ``weights_dtype`` re-price the bytes for a quantized format."""
+    bounds the step. ``cache_dtype`` / ``weights_dtype`` (a dtype, or bytes per element such as 0.5
+    for int4) re-price the bytes for a quantized format; the FLOPs stay the same."""
     bandwidth, flops = _rate(bandwidth, "bandwidth (bytes/s)"), _rate(flops, "flops (FLOP/s)")
     w = weight_bytes(model)
     if weights_dtype is not None:
-        w = sum(p.numel() for p in _params(model)) * bytes_per_element(weights_dtype)
-    c = cache_read_bytes(model, batch_size, seq_len, cache_dtype)
+        w = sum(p.numel() for p in _params(model)) * _per_element(weights_dtype)
+    c = cache_read_bytes(model, batch_size, seq_len)
+    if cache_dtype is not None:
+        c = c / bytes_per_element(model_dtype(model)) * _per_element(cache_dtype)
     t = {"weights": w / bandwidth, "cache": c / bandwidth,
          "compute": decode_step_flops(model, batch_size, seq_len) / flops}
     memory = t["weights"] + t["cache"]
