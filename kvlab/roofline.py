@@ -26,6 +26,7 @@ embedding, read once), the position table counted whole although a step reads on
 
 from __future__ import annotations
 
+import functools
 import operator
 import statistics
 
@@ -182,7 +183,13 @@ def generation_floor(model, batch_size: int, prompt_len: int, new_tokens: int, b
                      flops: float) -> float:
     """Floor of a whole greedy generation: one step per new token, the ``i``-th at ``prompt_len + i``
     cached positions (the prefill is priced as one step: it too reads every weight once)."""
-    return sum(step_time_floor(model, batch_size, prompt_len + i, bandwidth, flops) for i in range(new_tokens))
+    bandwidth, flops = _rate(bandwidth, "bandwidth (bytes/s)"), _rate(flops, "flops (FLOP/s)")
+    # both counts are linear in seq_len: take the intercept and slope once, not a model walk per step
+    b0, f0 = decode_step_bytes(model, batch_size, 0), decode_step_flops(model, batch_size, 0)
+    db = decode_step_bytes(model, batch_size, 1) - b0
+    df = decode_step_flops(model, batch_size, 1) - f0
+    return sum(max((b0 + db * s) / bandwidth, (f0 + df * s) / flops)
+               for s in range(prompt_len, prompt_len + new_tokens))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -226,6 +233,17 @@ def meta_model(name_or_config, dtype=torch.float32):
     """A transformers model with the right shapes and no storage (``meta`` device): a GPT-2 size
     (``"gpt2"`` ... ``"gpt2-xl"``, optionally ``"shape:"``-prefixed), an open model of chapter 4's
     table by name, a dict of config fields with ``model_type``, or a transformers config."""
+    if isinstance(name_or_config, str):
+        return _meta_by_name(name_or_config, as_dtype(dtype))
+    return _meta_model(name_or_config, dtype)
+
+
+@functools.lru_cache(maxsize=32)
+def _meta_by_name(name: str, dtype: torch.dtype):
+    return _meta_model(name, dtype)    # shapes never change: build each named model once
+
+
+def _meta_model(name_or_config, dtype):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from .memory import all_models
