@@ -98,8 +98,9 @@ def generators_vs_floor(hf, prompt_len: int, new_tokens: int, threads_list=(None
         floor = roofline.generation_floor(hf, 1, prompt_len, new_tokens, m["bandwidth"], m["flops"])
         res = timing.compare(runs, warmup=0, repeats=repeats, progress=False)
         for name, t in res.items():
-            where = f"{m['threads']} thread{'s' * (m['threads'] > 1)}" if device.type == "cpu" else device.type
-            rows.append(dict(model=getattr(hf, "kvlab_name", "?"), threads=m["threads"], where=where, generator=name,
+            n = m["threads"]
+            where = f"{n} thread{'s' * (n > 1)}" if device.type == "cpu" else device.type
+            rows.append(dict(model=getattr(hf, "kvlab_name", "?"), threads=n, where=where, generator=name,
                              per_token=t.median / new_tokens, floor_per_token=floor / new_tokens,
                              ratio=t.median / floor, bandwidth=m["bandwidth"], flops=m["flops"]))
     return rows
@@ -371,7 +372,8 @@ def knee_sentence(measured, floor) -> str:
         return "Neither the measured step nor the floor reached 1.5x its batch-1 time in this sweep."
     if measured is None or floor is None:
         which = "measured step" if measured is None else "floor"
-        return f"The {which} never reached 1.5x its batch-1 time in this sweep; the other did at batch {measured or floor}."
+        return (f"The {which} never reached 1.5x its batch-1 time in this sweep; the other did at "
+                f"batch {measured or floor}.")
     if measured == floor:
         return f"Both reach 1.5x their batch-1 time at batch {measured}."
     order = "later" if measured > floor else "earlier"
