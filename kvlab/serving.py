@@ -123,6 +123,7 @@ class Engine:
         self.finished: list[Request] = []
         self.prefixes: dict[tuple, str] = {}    # prefix tokens -> the pinned sequence that holds them
         self.committed = 0                      # worst-case blocks promised to admitted requests + prefixes
+        self.pinned = 0                         # blocks the registered prefixes hold for good
         self.trace: list[dict] = []
         self.steps, self.t0, self._next = 0, None, 0
 
@@ -134,6 +135,7 @@ class Engine:
             return
         sid = f"prefix{len(self.prefixes)}"
         self.committed += blocks_for(len(tokens), self.block_size)
+        self.pinned += blocks_for(len(tokens), self.block_size)
         paged_forward(self.model, self.cache, [sid], [list(tokens)])
         self.prefixes[tokens] = sid
 
@@ -156,9 +158,9 @@ class Engine:
             raise ValueError("a request needs a non-empty prompt and max_new_tokens >= 1")
         r = Request(prompt, max_new_tokens, eos_token_id, rid=self._next)
         r.prefix = self._prefix_of(prompt)
-        if self._need(r) > self.cache.num_blocks - self.committed:
+        if self._need(r) > self.cache.num_blocks - self.pinned:
             raise ValueError(f"request {r.rid} needs up to {self._need(r)} blocks; the pool can never give "
-                             f"it more than {self.cache.num_blocks - self.committed}: add blocks")
+                             f"it more than {self.cache.num_blocks - self.pinned}: add blocks")
         self._next += 1
         r.submitted = self._now()
         self.queue.append(r)
@@ -194,7 +196,7 @@ class Engine:
         """One scheduler step; False when there is nothing left to do."""
         if not self.queue and not self.running:
             return False
-        decoding = list(self.running)
+        decoding, todo = list(self.running), []
         admitted = self._admit()
         if admitted:   # prefill: the new prompts (after their shared prefix), all in one pass
             for r in admitted:
@@ -212,6 +214,7 @@ class Engine:
             raise RuntimeError(f"request {self.queue[0].rid} can never be admitted")
         now, self.steps = self._now(), self.steps + 1
         self.trace.append(dict(step=self.steps, time=now, decode_rows=len(decoding), prefill_rows=len(admitted),
+                               prefill_tokens=sum(map(len, todo)),
                                context=ctx if decoding else 0, blocks_used=self.cache.blocks_used,
                                queued=len(self.queue)))
         for r in [r for r in self.running if r.done]:   # retire: free the blocks right away
@@ -238,6 +241,7 @@ class Engine:
         for tokens, sid in self.prefixes.items():
             self.cache.free(sid)
             self.committed -= blocks_for(len(tokens), self.block_size)
+        self.pinned = 0
         self.prefixes.clear()
 
 
@@ -319,3 +323,22 @@ def reserved_vs_used(lengths: list[int], max_len: int, batch_size: int, block_si
     for r in rows:
         r["used"], r["waste"] = used, 1 - used / r["reserved"]
     return rows
+
+
+def run_floor(eng: Engine, bandwidth: float, flops: float) -> float:
+    """Chapter 7's floor for a finished run: the least time its steps could take on a machine that
+    moves ``bandwidth`` bytes/s and computes ``flops`` FLOP/s.
+
+    A decode step of ``B`` rows holding ``S`` tokens on average is priced by
+    :func:`kvlab.roofline.step_time_floor`; a prefill as one step over its prompt tokens with an empty
+    cache (every weight read once, two FLOPs per weight per token), a lower bound too.
+    """
+    from .roofline import step_time_floor
+
+    total = 0.0
+    for t in eng.trace:
+        if t["decode_rows"]:
+            total += step_time_floor(eng.model, t["decode_rows"], t["context"] // t["decode_rows"], bandwidth, flops)
+        if t["prefill_rows"]:
+            total += step_time_floor(eng.model, t["prefill_tokens"], 0, bandwidth, flops)
+    return total

@@ -295,6 +295,10 @@ def _check_gathered(out, pool, table, n, where) -> None:
 # check_paged_generate
 
 
+class _Verdict(Exception):
+    """A grader's own finding raised inside the serving run (told apart from the learner's exceptions)."""
+
+
 def _workload(tok):
     """Requests with a shared prefix (not a whole number of blocks: copy-on-write happens) and without."""
     texts = [tok(t).input_ids for t in GRADER_TEXTS]
@@ -314,7 +318,7 @@ def _serve(model, prefix, reqs, alloc_cls, gather):
     for i in torch.randperm(40, generator=torch.Generator().manual_seed(9)).tolist():
         alloc.free(("warm-up", i))
     if eng.cache.num_free != 40:
-        raise fail(NAME_GEN, f"40 one-block sequences allocated then freed, yet {eng.cache.num_free} of 40 blocks "
+        raise _Verdict(NAME_GEN, f"40 one-block sequences allocated then freed, yet {eng.cache.num_free} of 40 blocks "
                              "are free: blocks leaked (a block returns to the free list at refcount 0)")
     eng.add_prefix(prefix)
     for prompt, m in reqs:
@@ -334,8 +338,8 @@ def check_paged_generate(BlockAllocator, paged_gather) -> None:
     prefix, reqs = _workload(tok)
     try:
         eng, done = _serve(model, prefix, reqs, BlockAllocator, paged_gather)
-    except AssertionError:
-        raise
+    except _Verdict as v:
+        raise fail(*v.args) from None
     except Exception as e:  # noqa: BLE001
         raise fail(NAME_GEN, f"serving {len(reqs)} requests (40 blocks of 4, at most 3 rows a step, a shared "
                              f"10-token prefix) with your pieces raised {type(e).__name__}: {e}") from e
@@ -354,7 +358,7 @@ def check_paged_generate(BlockAllocator, paged_gather) -> None:
                              "paged_gather: run check_paged_gather")
     eng.close()
     if eng.cache.num_free != 40:
-        raise fail(NAME_GEN, f"every request has finished and the prefix is released, yet only "
+        raise _Verdict(NAME_GEN, f"every request has finished and the prefix is released, yet only "
                              f"{eng.cache.num_free} of 40 blocks are free: blocks leaked")
     passed(NAME_GEN, f"{len(reqs)} requests joining and leaving a batch of 3 (a shared prefix, {eng.cache.copies} "
                      "copy-on-write copies): every one equals its prompt served alone; no block leaked")
