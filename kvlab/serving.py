@@ -5,10 +5,10 @@ Requests arrive with their own prompt and ``max_new_tokens`` (and an optional en
 
 1. admits queued requests while the pool can hold them (``continuous``: at every step; ``static``:
    only when the whole previous batch has finished, the baseline);
-2. prefills the admitted ones together (one ragged forward, their first token);
-3. runs one batched decode step over every request that was already running: one token each, rows
-   of different lengths side by side, each reading its own blocks through its block table;
-4. retires the finished rows and frees their blocks.
+2. runs one forward pass over every row: the requests already running decode one token each, the
+   ones admitted now prefill their prompt (their first token); rows of different lengths side by
+   side, each reading its own blocks through its block table and masked to them;
+3. retires the finished rows and frees their blocks.
 
 Every request's tokens equal what the hand-built GPT-2 generates for that prompt alone
 (:func:`reference_tokens`), whatever it was batched with and whenever it joined.
@@ -193,30 +193,31 @@ class Engine:
                 r.first_token = now
 
     def step(self) -> bool:
-        """One scheduler step; False when there is nothing left to do."""
+        """One scheduler step, one forward pass; False when there is nothing left to do.
+
+        The pass holds every running row (its last token: one decode step) and every request
+        admitted now (its prompt after any shared prefix: the prefill, which yields its first token).
+        """
         if not self.queue and not self.running:
             return False
-        decoding, todo = list(self.running), []
+        decoding = list(self.running)
         admitted = self._admit()
-        if admitted:   # prefill: the new prompts (after their shared prefix), all in one pass
-            for r in admitted:
-                if r.prefix:
-                    self.cache.fork(self.prefixes[r.prefix], r.rid)
-            todo = [r.prompt[len(r.prefix):] if r.prefix else r.prompt for r in admitted]
-            self._emit(admitted, paged_forward(self.model, self.cache, [r.rid for r in admitted], todo))
-            self.running += admitted
-        if decoding:   # decode: one token for every row that was already running
-            ctx = sum(self.cache.lengths[r.rid] for r in decoding)
-            logits = paged_forward(self.model, self.cache, [r.rid for r in decoding],
-                                   [[r.tokens[-1]] for r in decoding])
-            self._emit(decoding, logits)
         if not admitted and not decoding:
             raise RuntimeError(f"request {self.queue[0].rid} can never be admitted")
+        for r in admitted:
+            if r.prefix:
+                self.cache.fork(self.prefixes[r.prefix], r.rid)
+        todo = [r.prompt[len(r.prefix):] if r.prefix else r.prompt for r in admitted]
+        ctx = sum(self.cache.lengths[r.rid] for r in decoding)
+        rows = decoding + admitted
+        logits = paged_forward(self.model, self.cache, [r.rid for r in rows],
+                               [[r.tokens[-1]] for r in decoding] + todo)
+        self._emit(rows, logits)
+        self.running += admitted
         now, self.steps = self._now(), self.steps + 1
-        self.trace.append(dict(step=self.steps, time=now, decode_rows=len(decoding), prefill_rows=len(admitted),
-                               prefill_tokens=sum(map(len, todo)),
-                               context=ctx if decoding else 0, blocks_used=self.cache.blocks_used,
-                               queued=len(self.queue)))
+        self.trace.append(dict(step=self.steps, time=now, rows=len(rows), decode_rows=len(decoding),
+                               prefill_rows=len(admitted), prefill_tokens=sum(map(len, todo)), context=ctx,
+                               blocks_used=self.cache.blocks_used, queued=len(self.queue)))
         for r in [r for r in self.running if r.done]:   # retire: free the blocks right away
             self.running.remove(r)
             self.cache.free(r.rid)
@@ -292,7 +293,7 @@ def summary(eng: Engine) -> dict:
     reqs = eng.finished
     lat = torch.tensor([r.latency for r in reqs])
     total = eng.trace[-1]["time"]
-    rows = [t["decode_rows"] for t in eng.trace if t["decode_rows"]]
+    rows = [t["rows"] for t in eng.trace]
     return dict(policy=eng.policy, requests=len(reqs), tokens=sum(len(r.tokens) for r in reqs), seconds=total,
                 tokens_per_s=sum(len(r.tokens) for r in reqs) / total, steps=eng.steps,
                 mean_latency=float(lat.mean()), p90_latency=float(lat.quantile(0.9)), max_latency=float(lat.max()),
@@ -329,16 +330,72 @@ def run_floor(eng: Engine, bandwidth: float, flops: float) -> float:
     """Chapter 7's floor for a finished run: the least time its steps could take on a machine that
     moves ``bandwidth`` bytes/s and computes ``flops`` FLOP/s.
 
-    A decode step of ``B`` rows holding ``S`` tokens on average is priced by
-    :func:`kvlab.roofline.step_time_floor`; a prefill as one step over its prompt tokens with an empty
-    cache (every weight read once, two FLOPs per weight per token), a lower bound too.
+    Each step is one pass over its decode rows and the prompt tokens it prefills, priced by
+    :func:`kvlab.roofline.step_time_floor` as that many rows reading the decode rows' cache: every
+    weight read once, two FLOPs per weight per token (a lower bound: the prefill's attention is left out).
     """
     from .roofline import step_time_floor
 
     total = 0.0
-    for t in eng.trace:
-        if t["decode_rows"]:
-            total += step_time_floor(eng.model, t["decode_rows"], t["context"] // t["decode_rows"], bandwidth, flops)
-        if t["prefill_rows"]:
-            total += step_time_floor(eng.model, t["prefill_tokens"], 0, bandwidth, flops)
+    for t in eng.trace:   # one pass per step: its decode rows and its prefill tokens read the weights once
+        tokens = t["decode_rows"] + t["prefill_tokens"]
+        total += step_time_floor(eng.model, tokens, t["context"] // tokens, bandwidth, flops)
     return total
+
+
+# ---------------------------------------------------------------------------------------------------
+# Plumbing for chapter 9: interleaved runs, step timings, tables and plots
+
+
+def compare_policies(model, workload, repeats: int = 1, policies=("continuous", "static"), **kwargs):
+    """Serve ``workload`` under each policy, ``repeats`` times, interleaved (A, B, A, B, ...)."""
+    from tqdm.auto import tqdm
+
+    runs = {p: [] for p in policies}
+    for _ in tqdm(range(repeats), desc="rounds", leave=False):
+        for p in policies:
+            runs[p].append(serve(model, workload, policy=p, **kwargs))
+    return runs
+
+
+def median_run(engines: list[Engine]) -> Engine:
+    """The run whose total time is the median one (its trace is the one we plot)."""
+    return sorted(engines, key=lambda e: e.trace[-1]["time"])[len(engines) // 2]
+
+
+def decode_step_timings(model, variants: dict, batch: int, context: int, repeats: int = 5):
+    """Median seconds of one batched decode step of ``batch`` rows holding ``context`` tokens each, per
+    variant ``name -> (block_size, gather)`` (``gather=None``: the batched gather), interleaved."""
+    from .timing import compare
+
+    g = torch.Generator().manual_seed(0)
+    vocab, fns = model.config.vocab_size, {}
+    for name, (bs, gather) in variants.items():
+        cache = PagedKVCache.for_model(model, batch * blocks_for(context + 4 * repeats + 8, bs), bs, gather=gather)
+        rows = list(range(batch))
+        paged_forward(model, cache, rows, torch.randint(1, vocab, (batch, context), generator=g).tolist())
+        token = [[7]] * batch
+        fns[name] = lambda cache=cache, rows=rows: paged_forward(model, cache, rows, token)
+    return compare(fns, warmup=1, repeats=repeats, progress=False)
+
+
+def print_table(rows: list[dict], columns: dict) -> None:
+    """Rows of dicts as an aligned text table; ``columns`` maps a key to ``(header, format)``."""
+    cells = [[fmt.format(r[k]) for k, (_, fmt) in columns.items()] for r in rows]
+    heads = [h for h, _ in columns.values()]
+    widths = [max(len(h), *(len(c[i]) for c in cells)) for i, h in enumerate(heads)]
+    print("  ".join(h.rjust(w) if i else h.ljust(w) for i, (h, w) in enumerate(zip(heads, widths))))
+    for c in cells:
+        print("  ".join(x.rjust(w) if i else x.ljust(w) for i, (x, w) in enumerate(zip(c, widths))))
+
+
+def plot_occupancy(runs: dict[str, Engine], ax) -> None:
+    """Rows in each step's forward pass over time, one line per policy (a step plot)."""
+    for name, eng in runs.items():
+        t = [0.0] + [s["time"] for s in eng.trace]
+        rows = [s["rows"] for s in eng.trace]
+        ax.stairs(rows, t, label=name, linewidth=1.5)
+    ax.axhline(next(iter(runs.values())).max_batch, color="0.6", linestyle=":", label="max_batch")
+    ax.set(xlabel="seconds since the first request", ylabel="rows in the step",
+           title="Batch occupancy over time")
+    ax.legend()

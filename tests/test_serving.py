@@ -32,7 +32,7 @@ def test_every_request_equals_its_prompt_alone(model, policy, gather):
     _check_all(model, eng)
     assert eng.cache.copies > 0                                   # the prefix's partial block was copied
     assert max(t["blocks_used"] for t in eng.trace) <= 30
-    assert max(t["decode_rows"] for t in eng.trace) <= 4
+    assert max(t["rows"] for t in eng.trace) <= 4
     eng.close()
     assert eng.cache.blocks_used == 0                             # nothing leaked
 
