@@ -87,3 +87,11 @@ def test_reserved_vs_used():
     assert rows[0]["reserved"] == 5 * 64 and rows[1]["reserved"] == 2 * 17 + 2 * 40 + 9
     assert rows[2]["reserved"] == used and rows[2]["waste"] == 0
     assert all(r["reserved"] - used < 5 * bs for r, bs in zip(rows[2:], [1, 4, 16]))
+
+
+def test_reference_equals_the_naive_generator(model):
+    from kvlab.gpt2 import generate_uncached
+
+    for prompt, m in random_workload(3, 4096, (1, 9), (1, 12), seed=8):
+        naive = generate_uncached(model, torch.tensor([prompt]), m)[0, len(prompt):].tolist()
+        assert reference_tokens(model, prompt, m) == naive
