@@ -27,7 +27,6 @@ import torch
 import torch.nn.functional as F
 
 from .paged import BlockAllocator, PagedKVCache, blocks_for
-from .timing import _sync
 
 
 @dataclass(eq=False)
@@ -168,7 +167,9 @@ class Engine:
 
     # -- the scheduler --------------------------------------------------------------------------
     def _now(self) -> float:
-        _sync(self.cache.keys.device)
+        """Seconds since the first request (on a GPU, after the queued kernels have finished)."""
+        if self.cache.keys.device.type == "cuda":
+            torch.cuda.synchronize(self.cache.keys.device)
         if self.t0 is None:
             self.t0 = time.perf_counter()
         return time.perf_counter() - self.t0
