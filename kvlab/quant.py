@@ -173,7 +173,9 @@ class QuantizedCache(Cache):
     to ``block - 1`` more) are always exact; every older token is stored as packed codes plus its
     share of scales and zero points.
 
-    ``update`` returns dequantized keys/values (quantized blocks, then the window) for attention;
+    ``update`` returns, for attention, the stored past (dequantized blocks, then the window) followed
+    by the call's own keys/values *in full precision*: a prompt's attention at prefill is exact, and
+    only what is kept for later steps is quantized (as in KIVI and transformers' ``QuantizedCache``).
     ``nbytes`` counts every tensor held: packed codes, scales, zero points and the window.
     """
 
@@ -246,12 +248,27 @@ class QuantizedCache(Cache):
                              f"{self.head_dim}; got keys {list(k.shape)} and values {list(v.shape)}")
         if self._len + T > self.max_len:
             raise ValueError(f"cache full: {self._len} + {T} tokens > max_len {self.max_len}")
+        # What attention gets back: the stored past (dequantized blocks, then the exact window) and this
+        # call's own tokens in full precision. Only what is *stored* is quantized, so a prompt attends
+        # to its own exact keys at prefill (as in KIVI and transformers' QuantizedCache).
+        keys, values = k, v
+        if self._win_k[layer] is not None:
+            keys = torch.cat([self._win_k[layer], k], dim=-2)
+            values = torch.cat([self._win_v[layer], v], dim=-2)
+        if self._qk[layer] is not None:
+            keys = torch.cat([self._dequantize(self._qk[layer], self.key_mode).to(k.dtype), keys], dim=-2)
+            values = torch.cat([self._dequantize(self._qv[layer], self.value_mode).to(v.dtype), values], dim=-2)
+        self._store(layer, k, v)
+        if layer == self.n_layer - 1:
+            self._len += T
+        return keys, values
+
+    def _store(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Append to the window, then quantize its oldest whole blocks while ``residual`` tokens stay exact."""
+        B, H, _, D = k.shape
         if self._win_k[layer] is not None:
             k = torch.cat([self._win_k[layer], k], dim=-2)
             v = torch.cat([self._win_v[layer], v], dim=-2)
-        else:   # k, v are views into the model's q/k/v projection: keep copies, not the whole buffer
-            k, v = k.clone(), v.clone()
-        # quantize the oldest whole blocks, as long as `residual` tokens stay behind in full precision
         n = max(0, (k.shape[-2] - self.residual) // self.block)
         if n:
             nq = n * self.block
@@ -259,16 +276,10 @@ class QuantizedCache(Cache):
             vb = v[..., :nq, :].reshape(B, H, n, self.block, D)
             self._qk[layer] = self._append(self._qk[layer], self._quantize(kb, self.key_mode))
             self._qv[layer] = self._append(self._qv[layer], self._quantize(vb, self.value_mode))
-            # .clone(): keep only the window's own bytes, not a view of the bigger tensor
-            k, v = k[..., nq:, :].clone(), v[..., nq:, :].clone()
-        self._win_k[layer], self._win_v[layer] = k, v
-        if layer == self.n_layer - 1:
-            self._len += T
-        if self._qk[layer] is None:
-            return k, v
-        keys = self._dequantize(self._qk[layer], self.key_mode).to(k.dtype)
-        values = self._dequantize(self._qv[layer], self.value_mode).to(v.dtype)
-        return torch.cat([keys, k], dim=-2), torch.cat([values, v], dim=-2)
+            k, v = k[..., nq:, :], v[..., nq:, :]
+        # .clone(): keep only the window's own bytes, never a view of the model's q/k/v projection
+        # or of a bigger tensor
+        self._win_k[layer], self._win_v[layer] = k.clone(), v.clone()
 
     @property
     def nbytes(self) -> int:
@@ -319,11 +330,12 @@ class AbsmaxFakeInt8Cache(Cache):
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor):
         if self._len + k.shape[-2] > self.max_len:
             raise ValueError(f"cache full: {self._len} + {k.shape[-2]} tokens > max_len {self.max_len}")
+        # the stored past comes back rounded, the call's own tokens exact (like QuantizedCache)
+        keys = torch.cat([q * s for (q, s), _ in self._chunks[layer]] + [k], dim=-2)
+        values = torch.cat([q * s for _, (q, s) in self._chunks[layer]] + [v], dim=-2)
         self._chunks[layer].append((absmax_per_tensor_fake_int8(k), absmax_per_tensor_fake_int8(v)))
         if layer == self.n_layer - 1:
             self._len += k.shape[-2]
-        keys = torch.cat([q * s for (q, s), _ in self._chunks[layer]], dim=-2)
-        values = torch.cat([q * s for _, (q, s) in self._chunks[layer]], dim=-2)
         return keys, values
 
     @property
