@@ -343,7 +343,33 @@ class AbsmaxFakeInt8Cache(Cache):
         return sum(tensor_bytes(*kc, *vc) for chunks in self._chunks for kc, vc in chunks)
 
 
-# ----------------------------------------------------------------------------- measuring quality
+# ----------------------------------------------------------------------------- measuring outliers and quality
+
+@torch.no_grad()
+def cached_kv(gpt, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values ``[n_layer, heads, tokens, head_dim]`` of one prompt (1-D ids), from a
+    full-precision cache of the hand-built GPT-2 (:class:`kvlab.gpt2.GPT2`)."""
+    cache = gpt.new_cache(1, ids.numel())
+    gpt(ids[None], cache)
+    return cache.keys[:, 0], cache.values[:, 0]
+
+
+def channel_ratio(x: torch.Tensor) -> list[float]:
+    """Per layer, the largest channel's magnitude over the median channel's (``x``: [L, H, T, D])."""
+    per_channel = x.abs().amax(dim=2).flatten(1)          # [L, H * D]: max over tokens
+    return (per_channel.max(1).values / per_channel.median(1).values).tolist()
+
+
+def token_ratio(x: torch.Tensor) -> list[float]:
+    """Per layer, the largest token's magnitude over the median token's (max over channels)."""
+    per_token = x.abs().amax(dim=3).flatten(1)            # [L, H * T]
+    return (per_token.max(1).values / per_token.median(1).values).tolist()
+
+
+def relative_error(x: torch.Tensor, x_hat: torch.Tensor) -> float:
+    """``||x - x_hat|| / ||x||``."""
+    return ((x_hat - x).norm() / x.norm()).item()
+
 
 @torch.no_grad()
 def score_through_cache(forward, cache, ids: torch.Tensor, prefill: int) -> torch.Tensor:
