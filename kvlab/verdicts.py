@@ -22,7 +22,7 @@ def on(device) -> str:
     """``"on <device>"``, short: the CPU's model name and thread count, or the GPU's name."""
     name = device_name(device)
     if torch.device(device).type == "cpu":
-        return f"on this CPU ({torch.get_num_threads()} threads)"
+        return f"on this CPU with {torch.get_num_threads()} torch threads"
     return f"on {name}"
 
 
