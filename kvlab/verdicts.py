@@ -22,7 +22,8 @@ def on(device) -> str:
     """``"on <device>"``, short: the CPU's model name and thread count, or the GPU's name."""
     name = device_name(device)
     if torch.device(device).type == "cpu":
-        return f"on this CPU with {torch.get_num_threads()} torch threads"
+        n = torch.get_num_threads()
+        return f"on this CPU with {n} torch thread{'' if n == 1 else 's'}"
     return f"on {name}"
 
 
@@ -41,8 +42,8 @@ def faster(a: Timing, b: Timing, device, name_a: str | None = None, name_b: str 
     n = min(len(a.samples), len(b.samples))
     how = f"medians of {n} interleaved runs {on(device)}"
     if not told_apart(a, b, noise):
-        return (f"{name_a} and {name_b} were not told apart ({a.median / b.median:.2f}x, "
-                f"within the noise; {how})")
+        return (f"{name_a} and {name_b} were not told apart: their timings overlap or differ by less "
+                f"than {noise:.0%} (time ratio {a.median / b.median:.2f}; {how})")
     win, lose = (name_a, name_b) if a.median < b.median else (name_b, name_a)
     r = max(a.median, b.median) / min(a.median, b.median)
     return f"{win} is {r:.2f}x faster than {lose} ({how})"
