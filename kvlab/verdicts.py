@@ -58,12 +58,15 @@ def ratio_word(r: float, noise: float = NOISE) -> str:
 
 def compare_amounts(x: float, y: float, name_x: str, name_y: str, what: str, device,
                     noise: float = NOISE) -> str:
-    """``"X's <what> is 3.1x Y's on DEVICE"``, for deterministic amounts (bytes, counts)."""
+    """``"<what> of X: 3.1x that of Y, on DEVICE"``, for measured amounts (bytes, counts)."""
     r = x / y
     if abs(r - 1) < noise:
-        return f"{name_x} and {name_y} have about the same {what} ({r:.2f}x) {on(device)}"
-    rel = f"{r:.1f}x" if r > 1 else f"{1 / r:.1f}x less than"
-    return f"{name_x}'s {what} is {rel} {name_y}'s {on(device)}"
+        rel = f"about the same as that of {name_y} ({r:.2f}x)"
+    elif r > 1:
+        rel = f"{r:.1f}x that of {name_y}"
+    else:
+        rel = f"{1 / r:.1f}x less than that of {name_y}"
+    return f"{what} of {name_x}: {rel}, {on(device)}"
 
 
 def trend(xs, ys, xname: str, yname: str, device, unit: str = "x") -> str:
