@@ -29,6 +29,8 @@ def test_accepts_reference(capsys):
 @torch.no_grad()
 def cache_from_output(model, ids, n):
     """Also correct: let the model create the cache at the prefill and keep out.cache."""
+    if n == 0:
+        return ids
     out = model(ids, use_cache=True)
     pieces = [ids, greedy(out)]
     for _ in range(n - 1):
@@ -40,6 +42,8 @@ def cache_from_output(model, ids, n):
 @torch.no_grad()
 def deprecated_name(model, ids, n):
     """Also correct: the pre-5.24 argument name, still accepted (with a FutureWarning)."""
+    if n == 0:
+        return ids
     cache = DynamicCache(config=model.config)
     out = model(ids, past_key_values=cache, use_cache=True)
     pieces = [ids, greedy(out)]
