@@ -13,18 +13,20 @@ and to name the mistake when the tokens differ.
 from __future__ import annotations
 
 import copy
-import inspect
 
 import torch
 
 from ..generate import context_length, hf_greedy
-from ._common import GRADER_TEXTS, fail, grading_model, passed
+from ._common import (GRADER_TEXTS, LearnerModel, expect_value_error, fail, grading_model,
+                      grading_tokenizer, learner_call, passed)
 
 NAME_BATCH = "check_make_batch"
 NAME_GEN = "check_batched_generate"
 
 # Mixed lengths on purpose: 1-token, short, medium and long prompts in one batch.
 _MIXED = [GRADER_TEXTS[3], GRADER_TEXTS[5], GRADER_TEXTS[1], GRADER_TEXTS[0]]
+# A prompt that holds the pad / end-of-text token as a real token (a mask built as ids != pad breaks).
+_WITH_PAD = "Blessed <|endoftext|> be the LORD"
 
 
 def _tokens(tok, text) -> list[int]:
@@ -45,15 +47,10 @@ def _as_long(x, what: str, check: str) -> torch.Tensor:
 
 def _grade_one_batch(make_batch, tok, prompts, ctx, no_pad_token: bool) -> None:
     want_pad = tok.eos_token_id if tok.pad_token_id is None else tok.pad_token_id
-    try:
-        result = make_batch(tok, prompts)
-    except Exception as e:  # noqa: BLE001 - we explain the learner's exception instead of dumping it
-        if no_pad_token:
-            raise fail(NAME_BATCH, f"with a tokenizer that has no pad token (like real GPT-2's, "
-                                   f"tokenizer.pad_token is None) your make_batch raised {type(e).__name__}: "
-                                   f"{e}. Fall back to the eos token: pad_id = tokenizer.pad_token_id if it is "
-                                   "not None, else tokenizer.eos_token_id (pads are masked, so any known id works)")
-        raise
+    what = (f"with a tokenizer that has no pad token (like real GPT-2's), make_batch(tok, <{len(prompts)} "
+            "prompts>); fall back to tokenizer.eos_token_id" if no_pad_token
+            else f"make_batch(tok, <{len(prompts)} prompts>)")
+    result = learner_call(NAME_BATCH, what, make_batch, tok, prompts)
     if not isinstance(result, (tuple, list)) or len(result) != 3:
         raise fail(NAME_BATCH, "return a tuple (input_ids, attention_mask, position_ids)")
     ids, mask, pos = (_as_long(x, n, NAME_BATCH) for x, n in zip(result, ("input_ids", "attention_mask", "position_ids")))
@@ -85,6 +82,10 @@ def _grade_one_batch(make_batch, tok, prompts, ctx, no_pad_token: bool) -> None:
             if k and mask[i].tolist() == [1] * T:
                 raise fail(NAME_BATCH, f"row {i} has {k} pads but its attention_mask is all ones: the mask must "
                                        "be 0 on pads (so no real token attends to them) and 1 on real tokens")
+            if real.count(want_pad) and mask[i, k:].tolist() != [1] * L:
+                raise fail(NAME_BATCH, f"row {i}'s prompt contains the pad id {want_pad} as a REAL token, "
+                                       "and your mask hides it: build the mask from the prompt lengths, "
+                                       "not from input_ids != pad_id")
             raise fail(NAME_BATCH, f"row {i}: attention_mask should be {want_mask}, got {mask[i].tolist()}")
         got_pos = pos[i, k:].tolist()
         if got_pos != list(range(L)):
@@ -106,194 +107,212 @@ def check_make_batch(make_batch) -> None:
     no_pad = copy.deepcopy(tok0)
     no_pad.pad_token = None                     # what real GPT-2's tokenizer looks like
     cases = [(_MIXED, False), (_MIXED[::-1], True), ([GRADER_TEXTS[2]], False),
-             ([GRADER_TEXTS[1], GRADER_TEXTS[1]], False)]
+             ([GRADER_TEXTS[1], GRADER_TEXTS[1]], False), ([_WITH_PAD, GRADER_TEXTS[0]], False)]
     for prompts, without_pad in cases:
         # a fresh copy per call: a make_batch that sets padding_side or pad_token must not leak
         tok = copy.deepcopy(no_pad if without_pad else tok0)
         _grade_one_batch(make_batch, tok, prompts, ctx, without_pad)
     for bad, why in (([], "an empty list of prompts"), (["", GRADER_TEXTS[1]], "an empty prompt")):
-        try:
-            make_batch(copy.deepcopy(tok0), bad)
-        except ValueError:
-            continue
-        except Exception as e:  # noqa: BLE001
-            raise fail(NAME_BATCH, f"for {why} raise a ValueError that says what is wrong, not "
-                                   f"{type(e).__name__}: {e}")
-        raise fail(NAME_BATCH, f"{why} must raise ValueError: an empty row would be all pads, with no "
-                               "real token to read the next one from")
+        expect_value_error(NAME_BATCH, f"{why} (an all-pad row has no token to read the next one from)",
+                           make_batch, copy.deepcopy(tok0), bad)
     passed(NAME_BATCH, f"{len(cases)} batches left-padded correctly (mask, position ids, pad id, also with "
                        "no pad token) and empty input rejected")
 
 
 # ----------------------------------------------------------------------------------- batched_generate
 
-class _Recorder:
-    """A forward pre-hook that records what each model call was given."""
-
-    def __init__(self, model):
-        self.sig = inspect.signature(model.forward)
-        self.calls: list[dict] = []
-
-    def __call__(self, module, args, kwargs):
-        try:
-            bound = self.sig.bind_partial(*args, **kwargs).arguments
-        except TypeError:
-            bound = dict(kwargs)
-        extra = bound.get("kwargs", {})
-        cache = bound.get("cache", None) or extra.get("past_key_values") or kwargs.get("past_key_values")
-        ids = bound.get("input_ids")
-        mask, pos = bound.get("attention_mask"), bound.get("position_ids")
-        self.calls.append({
-            "ids": None if ids is None else ids.detach().cpu().clone(),
-            "mask": None if mask is None else mask.detach().cpu().long().clone(),
-            "pos": None if pos is None else pos.detach().cpu().long().clone(),
-            "cache_len": int(cache.get_seq_length()) if hasattr(cache, "get_seq_length") else 0,
-        })
+def _result_rows(out, B: int, n: int) -> list[list[int]]:
+    """The contract's return type: a list (or tuple) with one list of ``n`` ints per prompt."""
+    if isinstance(out, torch.Tensor) or not isinstance(out, (list, tuple)):
+        raise fail(NAME_GEN, f"return a list with one list of new token ids per prompt, got "
+                             f"{type(out).__name__} (use .tolist() on a tensor)")
+    if any(isinstance(r, torch.Tensor) or not isinstance(r, (list, tuple)) for r in out):
+        raise fail(NAME_GEN, "each prompt's result must be a list of ints, got "
+                             f"{type(next(iter(out), None)).__name__}")
+    if len(out) != B:
+        raise fail(NAME_GEN, f"{B} prompts but {len(out)} results: return one list per prompt, in the "
+                             "prompts' order")
+    return [[int(t) for t in r] for r in out]
 
 
-def _run_recorded(batched_generate, model, tok, prompts, n):
-    rec = _Recorder(model)
-    handle = model.register_forward_pre_hook(rec, with_kwargs=True)
+def _prefill_order(first, rows) -> list[int]:
+    """Which prompt each prefill row holds (a learner may sort the batch by length), matched by the
+    tokens at the row's right end; also names right padding and a loop over the prompts."""
+    B, W = first.ids.shape
+    if B != len(rows):
+        raise fail(NAME_GEN, f"{len(rows)} prompts, but the first forward pass had batch size {B}: you "
+                             "are generating the prompts ONE AT A TIME (or dropped some). Pad them into "
+                             "one [batch, T] tensor and run one forward per step over the whole batch")
+    order, free = [], list(range(len(rows)))
+    for i in range(B):
+        row = first.ids[i].tolist()
+        j = next((j for j in free if row[W - len(rows[j]):] == rows[j]), None)
+        if j is None:
+            if any(row[:len(rows[j])] == rows[j] for j in free):
+                raise fail(NAME_GEN, f"prefill row {i} is RIGHT-padded: its pads come after the prompt, "
+                                     "so the next token would be read from a pad. Pad on the left")
+            raise fail(NAME_GEN, f"prefill row {i} does not end with any prompt's tokens (left padding)")
+        order.append(j)
+        free.remove(j)
+    return order
 
-    def refuse(*a, **k):
-        raise fail(NAME_GEN, "do not call model.generate: write the loop yourself (prefill, then one "
-                             "forward per step), that is the exercise")
 
-    model.generate = refuse                      # an instance attribute shadows the method
-    try:
-        out = batched_generate(model, tok, prompts, n)
-    finally:
-        handle.remove()
-        del model.generate
-    return out, rec.calls
+def _expected_mask(first, lens) -> torch.Tensor:
+    """0 on every pad, 1 on the real tokens (any number of extra left pads is fine if masked)."""
+    B, W = first.ids.shape
+    return torch.tensor([[0] * (W - L) + [1] * L for L in lens])
 
 
-def _check_calls(calls, rows, n) -> None:
-    """Name the structural mistake, if any, from the recorded model calls."""
-    B, T = len(rows), max(len(r) for r in rows)
-    lens = [len(r) for r in rows]
-    padded = len(set(lens)) > 1
+# The prefill's rules: (when, test, message); ``f`` the first call, ``m`` the expected mask.
+_PREFILL = [
+    (lambda f, m, lens, T: f.cache_len not in (None, 0) or f.ids.shape[1] < T,
+     lambda f, m, lens, T: ("the first forward pass saw 1 token per row: NO PREFILL. With an empty cache "
+                            "the model conditions on the last prompt token only; run the whole padded "
+                            "batch once first" if f.ids.shape[1] == 1 else
+                            f"the prefill must see the whole padded batch (>= {T} columns) with an empty "
+                            f"cache; it saw {list(f.ids.shape)} with {f.cache_len} cached positions")),
+    (lambda f, m, lens, T: f.mask is None and len(set(lens)) > 1,
+     lambda f, m, lens, T: "the prefill got NO attention_mask: the real tokens of the shorter rows attend "
+                           "to the pads. Pass attention_mask (0 on pads, 1 on real tokens)"),
+    (lambda f, m, lens, T: f.pos is None and len(set(lens)) > 1,
+     lambda f, m, lens, T: "the prefill got NO position_ids: transformers then numbers the columns 0..T-1 "
+                           "in every row, so a row with k left pads starts at position k. Pass "
+                           "position_ids = attention_mask.cumsum(-1) - 1 (pads clamped to 0)"),
+    (lambda f, m, lens, T: f.mask is not None and not torch.equal(f.mask.long().expand_as(m), m),
+     lambda f, m, lens, T: "the prefill's attention_mask should be 0 on the pads and 1 on real tokens; "
+                           f"row 0 is {f.mask[0].tolist()}"),
+    (lambda f, m, lens, T: f.pos is not None and any(
+        f.pos.expand_as(m)[i, m.shape[1] - L:].tolist() != list(range(L)) for i, L in enumerate(lens)),
+     lambda f, m, lens, T: "the prefill's position ids of each row's real tokens must be 0..len-1 "
+                           "(attention_mask.cumsum(-1) - 1)"),
+]
+
+# A decode step's rules; ``c`` the call, ``s`` the step, ``W`` the prefill width, ``want_m`` its mask.
+_DECODE = [
+    (lambda c, s, W, m, lens: c.ids.shape[1] != 1,
+     "decode step {s} fed {fed} tokens per row; with the cache, feed only the one new token of each "
+     "row (the cache holds everything before it)"),
+    (lambda c, s, W, m, lens: not c.cache_len,
+     "decode step {s} got no cache (or an empty one): pass the same cache back at every step"),
+    (lambda c, s, W, m, lens: c.cache_len != W + s - 1,
+     "at decode step {s} the cache held {c.cache_len} positions, expected {cl}: feed every step's "
+     "tokens through the same cache"),
+    (lambda c, s, W, m, lens: c.mask is None and len(set(lens)) > 1,
+     "decode step {s} got NO attention_mask (only the prefill had one): the new tokens then attend to "
+     "the pads held in the cache. Pass the mask at every step, grown by one column of ones"),
+    (lambda c, s, W, m, lens: c.mask is not None and c.mask.shape[-1] == W and s >= 1,
+     "at decode step {s} the attention_mask still has the prefill's {W} columns but the cache + new "
+     "token span {cl1}: the MASK DOES NOT GROW. transformers pads a short mask with zeros, which hides "
+     "the generated tokens; append a column of ones at every step"),
+    (lambda c, s, W, m, lens: c.mask is not None and not torch.equal(
+        c.mask.long().expand(len(lens), -1), torch.cat([m, torch.ones(len(lens), s, dtype=torch.long)], 1)),
+     "at decode step {s} the attention_mask should be the prefill mask followed by {s} column(s) of "
+     "ones (the generated tokens are real), {cl1} columns in all"),
+    (lambda c, s, W, m, lens: c.pos is None and len(set(lens)) > 1,
+     "decode step {s} got NO position_ids: transformers then uses the cache length (which counts the "
+     "pads) as every row's position. Pass each row's own position: its length + tokens so far - 1"),
+    (lambda c, s, W, m, lens: c.pos is not None and
+     c.pos.expand(len(lens), -1)[:, -1].tolist() != [L + s - 1 for L in lens],
+     "at decode step {s} the position ids were {got_pos}, expected {want_pos} (each row's position "
+     "advances by one per step from its own length)"),
+]
+
+
+def _check_calls(calls, rows, n) -> list[int]:
+    """Name the structural mistake, if any, from the recorded calls; return the prefill's order."""
     if not calls:
         raise fail(NAME_GEN, "your function never called the model it was given")
     first = calls[0]
-    if first["ids"] is None:
+    if first.ids is None:
         raise fail(NAME_GEN, "pass the token ids as input_ids (not inputs_embeds)")
-    if first["ids"].shape[0] != B:
-        raise fail(NAME_GEN, f"{B} prompts, but the first forward pass had batch size {first['ids'].shape[0]}: "
-                             "you are generating the prompts ONE AT A TIME. Pad them into one [batch, T] tensor "
-                             "and run one forward per step over the whole batch")
-    if any(c["ids"] is not None and c["ids"].shape[0] != B for c in calls):
-        raise fail(NAME_GEN, f"some forward passes did not have batch size {B}: every step must run the whole "
-                             "batch at once (do not loop over the prompts)")
-    if first["cache_len"] != 0 or first["ids"].shape[1] != T:
-        if first["ids"].shape[1] == 1 and T > 1:
-            raise fail(NAME_GEN, f"the first forward pass saw 1 token per row (the longest prompt has {T}): "
-                                 "NO PREFILL. With an empty cache the model then conditions on the last prompt "
-                                 "token only; run the whole padded batch once first, then feed one token per step")
-        raise fail(NAME_GEN, f"the first forward pass (the prefill) must see the whole padded batch, "
-                             f"[{B}, {T}] with an empty cache; it saw {list(first['ids'].shape)} with "
-                             f"{first['cache_len']} cached positions")
-    ids = first["ids"]
-    for i, r in enumerate(rows):
-        k = T - len(r)
-        if k and ids[i, :len(r)].tolist() == r:
-            raise fail(NAME_GEN, f"row {i} ({len(r)} tokens, {k} pads) is RIGHT-padded: its pads come after the "
-                                 "prompt, so the next token would be read from a pad. Pad on the left")
-        if ids[i, k:].tolist() != r:
-            raise fail(NAME_GEN, f"row {i} of the prefill does not end with the prompt's tokens (left padding)")
-    want_mask = torch.tensor([[0] * (T - L) + [1] * L for L in lens])
-    if padded:
-        if first["mask"] is None:
-            raise fail(NAME_GEN, "the prefill got NO attention_mask: the real tokens of the shorter rows attend "
-                                 "to the pads. Pass attention_mask (0 on pads, 1 on real tokens)")
-        if first["pos"] is None:
-            raise fail(NAME_GEN, "the prefill got NO position_ids: transformers then numbers the columns 0..T-1 "
-                                 "in every row, so a row with k left pads starts at position k. Pass "
-                                 "position_ids = attention_mask.cumsum(-1) - 1 (pads clamped to 0)")
-    if first["mask"] is not None and not torch.equal(first["mask"].expand(B, -1), want_mask):
-        raise fail(NAME_GEN, f"the prefill's attention_mask should be 0 on the pads and 1 on real tokens; "
-                             f"row 0 is {first['mask'][0].tolist()}")
-    if first["pos"] is not None:
-        pos = first["pos"].expand(B, -1)
-        for i, L in enumerate(lens):
-            if pos[i, T - L:].tolist() != list(range(L)):
-                raise fail(NAME_GEN, f"prefill row {i} ({T - L} pads): position ids of its real tokens are "
-                                     f"{pos[i, T - L:].tolist()[:8]}..., they must be 0..{L - 1} "
-                                     "(attention_mask.cumsum(-1) - 1)")
-    if len(calls) not in (n, n + 1):
-        raise fail(NAME_GEN, f"max_new_tokens={n}: expected one forward pass per new token ({n}: the prefill, "
-                             f"then {n - 1} decode steps), got {len(calls)}")
+    if first.ids.shape[0] == len(rows) and first.ids.shape[1] == 1 and max(map(len, rows)) > 1:
+        raise fail(NAME_GEN, "the first forward pass saw 1 token per row: NO PREFILL. With an empty cache "
+                             "the model conditions on the last prompt token only; run the whole padded "
+                             "batch once first, then feed one token per step")
+    order = _prefill_order(first, rows)
+    lens = [len(rows[j]) for j in order]
+    want_mask = _expected_mask(first, lens)
+    for broken, message in _PREFILL:
+        if broken(first, want_mask, lens, max(lens)):
+            raise fail(NAME_GEN, message(first, want_mask, lens, max(lens)))
+    if len(calls) not in (n, n + 1) and not (n == 0 and len(calls) <= 1):
+        raise fail(NAME_GEN, f"max_new_tokens={n}: expected one forward pass per new token ({n}: the "
+                             f"prefill, then {n - 1} decode steps), got {len(calls)}")
+    W = first.ids.shape[1]
     for s, c in enumerate(calls[1:], start=1):
-        cache_len = T + s - 1                     # prefill + the tokens fed since
-        if c["ids"].shape[1] != 1:
-            raise fail(NAME_GEN, f"decode step {s} fed {c['ids'].shape[1]} tokens per row; with the cache, feed "
-                                 "only the one new token of each row (the cache holds everything before it)")
-        if c["cache_len"] == 0:
-            raise fail(NAME_GEN, f"decode step {s} got no cache (or an empty one): pass the same cache "
-                                 "(e.g. a DynamicCache, or out.cache) back at every step")
-        if c["cache_len"] != cache_len:
-            raise fail(NAME_GEN, f"at decode step {s} the cache held {c['cache_len']} positions, expected "
-                                 f"{cache_len}: feed every step's tokens through the same cache")
-        if padded and c["mask"] is None:
-            raise fail(NAME_GEN, f"decode step {s} got NO attention_mask (only the prefill had one): the new "
-                                 "tokens then attend to the pads held in the cache. Pass the mask at every step, "
-                                 "grown by one column of ones")
-        if c["mask"] is not None:
-            width = c["mask"].shape[-1]
-            if width != cache_len + 1:
-                if width == T:
-                    raise fail(NAME_GEN, f"at decode step {s} the attention_mask still has the prefill's {T} "
-                                         f"columns but the cache + new token span {cache_len + 1}: the MASK DOES "
-                                         "NOT GROW. transformers pads a short mask with zeros, which hides the "
-                                         "generated tokens; append a column of ones at every step")
-                raise fail(NAME_GEN, f"at decode step {s} the attention_mask has {width} columns; it must cover "
-                                     f"the {cache_len} cached positions and the new one ({cache_len + 1})")
-            want = torch.cat([want_mask, torch.ones(B, s, dtype=torch.long)], 1)
-            if not torch.equal(c["mask"].expand(B, -1), want):
-                raise fail(NAME_GEN, f"at decode step {s} the attention_mask should be the prefill mask followed "
-                                     f"by {s} column(s) of ones (the generated tokens are real)")
-        if padded and c["pos"] is None:
-            raise fail(NAME_GEN, f"decode step {s} got NO position_ids: transformers then uses the cache length "
-                                 "(which counts the pads) as every row's position. Pass each row's own position: "
-                                 "its prompt length + the tokens generated so far - 1")
-        if c["pos"] is not None:
-            want_pos = [L + s - 1 for L in lens]
-            got_pos = c["pos"].expand(B, -1)[:, -1].tolist()
-            if got_pos != want_pos:
-                raise fail(NAME_GEN, f"at decode step {s} the position ids were {got_pos}, expected {want_pos} "
-                                     "(each row's position advances by one per step from its own length)")
+        if c.ids is None or c.ids.shape[0] != len(rows):
+            raise fail(NAME_GEN, f"decode step {s} did not run the whole batch of {len(rows)} at once")
+        got_pos = None if c.pos is None else c.pos.expand(len(lens), -1)[:, -1].tolist()
+        fmt = dict(s=s, W=W, c=c, cl=W + s - 1, cl1=W + s, fed=c.ids.shape[1], got_pos=got_pos,
+                   want_pos=[L + s - 1 for L in lens])
+        for broken, message in _DECODE:
+            if broken(c, s, W, want_mask, lens):
+                raise fail(NAME_GEN, message.format(**fmt))
+    return order
+
+
+def _compare_rows(got, want, rows, n) -> None:
+    if got == want:
+        return
+    if sorted(got) == sorted(want):
+        raise fail(NAME_GEN, "every row's tokens are right, but the rows are not in the prompts' order "
+                             "(did you sort the prompts by length?): return result i for prompts[i]")
+    i = next(i for i in range(len(rows)) if got[i] != want[i])
+    if len(got[i]) != n:
+        if len(got[i]) in (len(rows[i]) + n, max(map(len, rows)) + n):
+            raise fail(NAME_GEN, f"row {i}: return only the NEW tokens ({n}), not the prompt or pads")
+        raise fail(NAME_GEN, f"max_new_tokens={n}, but row {i} has {len(got[i])} tokens")
+    j = next(j for j in range(n) if got[i][j] != want[i][j])
+    raise fail(NAME_GEN, f"row {i} (prompt of {len(rows[i])} tokens): new token #{j + 1} is {got[i][j]}, "
+                         f"generating this prompt alone gives {want[i][j]}. The calls looked right, so "
+                         "check which logits you read (column -1 of the last forward) and the argmax")
+
+
+def _gen_cases(model, tok):
+    """(name, prompts, n, grading-only eos id or None)."""
+    cases = [("mixed lengths", _MIXED, 6, None), ("two prompts, one new token", [GRADER_TEXTS[2],
+             GRADER_TEXTS[4]], 1, None), ("a 1-token prompt", [GRADER_TEXTS[4], GRADER_TEXTS[3]], 5, None),
+             ("a single prompt", [GRADER_TEXTS[0]], 4, None), ("max_new_tokens=0", _MIXED[:2], 0, None),
+             ("the pad / end-of-text token inside a prompt", [_WITH_PAD, GRADER_TEXTS[1]], 4, None)]
+    ids = torch.tensor([tok(GRADER_TEXTS[3]).input_ids])
+    early = int(hf_greedy(model, ids, 2)[0, -1])        # row 0's second new token ends its text
+    cases.append(("one row reaches end-of-text early", [GRADER_TEXTS[3], GRADER_TEXTS[0]], 6, early))
+    return cases
 
 
 def check_batched_generate(batched_generate) -> None:
-    """Grade a learner's batched greedy generator against transformers' ``generate`` on each prompt alone."""
+    """Grade a learner's batched greedy generator against transformers' ``generate`` on each prompt
+    alone, on a private copy of the model (pad id and end-of-text id differ in one case)."""
     model, tok0 = grading_model()
-    cases = [(_MIXED, 8), ([GRADER_TEXTS[2], GRADER_TEXTS[4]], 1), ([GRADER_TEXTS[4], GRADER_TEXTS[3]], 5),
-             ([GRADER_TEXTS[0]], 4)]
-    for prompts, n in cases:
-        tok = copy.deepcopy(tok0)
+    guard = LearnerModel(NAME_GEN, model)
+    cases = _gen_cases(model, tok0)
+    memo = {}
+
+    def alone(row, n):
+        if (row, n) not in memo:
+            memo[row, n] = hf_greedy(model, torch.tensor([row]), n)[0, len(row):].tolist()
+        return memo[row, n]
+
+    for name, prompts, n, eos in cases:
+        tok = grading_tokenizer(tok0, eos)
         rows = [_tokens(tok0, p) for p in prompts]
-        out, calls = _run_recorded(batched_generate, model, tok, prompts, n)
-        try:
-            got = [[int(t) for t in row] for row in out]
-        except (TypeError, ValueError):
-            raise fail(NAME_GEN, f"return a list with one list of new token ids per prompt, got "
-                                 f"{type(out).__name__}") from None
-        if len(got) != len(prompts):
-            raise fail(NAME_GEN, f"{len(prompts)} prompts but {len(got)} results: return one list per prompt, "
-                                 "in the prompts' order")
-        for i, (g, r) in enumerate(zip(got, rows)):
-            if len(g) != n:
-                if len(g) == len(r) + n or len(g) == max(map(len, rows)) + n:
-                    raise fail(NAME_GEN, f"row {i}: return only the NEW tokens ({n}), not the prompt or pads")
-                raise fail(NAME_GEN, f"max_new_tokens={n}, but row {i} has {len(g)} tokens")
-        _check_calls(calls, rows, n)
-        for i, (g, r) in enumerate(zip(got, rows)):
-            want = hf_greedy(model, torch.tensor([r]), n)[0, len(r):].tolist()
-            if g != want:
-                j = next(j for j in range(n) if g[j] != want[j])
-                raise fail(NAME_GEN, f"row {i} (prompt of {len(r)} tokens, {max(map(len, rows)) - len(r)} pads): new "
-                                     f"token #{j + 1} is {g[j]}, generating this prompt alone gives {want[j]}. The "
-                                     "calls looked right, so check which logits you read (column -1 of the last "
-                                     "forward) and that you take the argmax")
-    passed(NAME_GEN, f"{len(cases)} batches of mixed lengths equal each prompt generated alone (transformers "
-                     "generate), one forward per step over the whole batch with the cache")
+        what = f"{name}: batched_generate(model, tok, <{len(prompts)} prompts>, {n})"
+        with guard.case(eos) as mine:
+            out = learner_call(NAME_GEN, what, batched_generate, mine, tok, prompts, n)
+        got = _result_rows(out, len(prompts), n)
+        if eos is not None and len(got[0]) < n and any(len(g) < n for g in got[1:]):
+            raise fail(NAME_GEN, f"{what}: the rows stopped at {[len(g) for g in got]} tokens when row 0 "
+                                 f"produced the end-of-text id {eos}: the contract is exactly "
+                                 f"max_new_tokens={n} per row; never stop the whole batch when one row ends")
+        if eos is not None and any(len(g) < n for g in got):
+            raise fail(NAME_GEN, f"{what}: a row stopped at the end-of-text id {eos}; the contract is "
+                                 f"exactly max_new_tokens={n} new tokens per row")
+        if n:
+            _check_calls(guard.calls, rows, n)
+        want = [alone(tuple(r), n) for r in rows]
+        _compare_rows(got, want, rows, n)
+    with guard.case() as mine:
+        expect_value_error(NAME_GEN, "an empty list of prompts", batched_generate, mine, tok0, [], 3)
+    passed(NAME_GEN, f"{len(cases)} batches (mixed lengths, one prompt, 0 new tokens, the pad token "
+                     "inside a prompt, a row that reaches end-of-text) equal each prompt generated alone, "
+                     "one forward per step over the whole batch with the cache")
