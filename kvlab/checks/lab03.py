@@ -14,7 +14,7 @@ import math
 import torch
 
 from ..generate import hf_greedy
-from ._common import fail, first_difference, fresh_prompts, grading_model, passed
+from ._common import expect_value_error, fail, first_difference, fresh_prompts, grading_model, passed
 
 NAME = "lab03"
 NAME_CACHE = "check_kv_cache"
@@ -128,6 +128,36 @@ def _run_cache(KVCache, batch, steps, max_len, gen):
     return cache, written, (L, batch, H, D, dt)
 
 
+def _tensors(obj):
+    """Every tensor an object holds in its attributes (directly, or in lists/tuples/dicts)."""
+    for v in vars(obj).values():
+        items = v.values() if isinstance(v, dict) else v if isinstance(v, (list, tuple)) else [v]
+        yield from (t for t in items if isinstance(t, torch.Tensor))
+
+
+def _check_edges(KVCache) -> None:
+    """A cache filled exactly to max_len (no error), and one made on device='meta'."""
+    c = _make_cache(KVCache, 2, 1, 2, 4, 6, torch.float32)
+    for T in (4, 2):
+        for layer in range(2):
+            try:
+                c.update(layer, torch.ones(1, 2, T, 4), torch.ones(1, 2, T, 4))
+            except Exception as e:  # noqa: BLE001
+                raise fail(NAME_CACHE, f"filling a max_len=6 cache EXACTLY (4 tokens, then 2) raised "
+                                       f"{type(e).__name__}: {e}: the last position is max_len - 1, and "
+                                       "T tokens fit when seq_len + T <= max_len") from e
+    try:
+        meta = KVCache(1, 1, 2, 4, 8, torch.float16, "meta")
+        keys, _ = meta.update(0, torch.ones(1, 2, 3, 4, dtype=torch.float16, device="meta"),
+                              torch.ones(1, 2, 3, 4, dtype=torch.float16, device="meta"))
+    except Exception as e:  # noqa: BLE001
+        raise fail(NAME_CACHE, f"KVCache(..., torch.float16, 'meta') raised {type(e).__name__}: {e}") from e
+    where = {str(t.device) for t in _tensors(meta)} | {str(keys.device)}
+    if where != {"meta"} or keys.dtype != torch.float16:
+        raise fail(NAME_CACHE, f"a cache made with device='meta', dtype=float16 keeps tensors on {where}, "
+                               f"returns {keys.dtype}: allocate the buffers with the device and dtype given")
+
+
 def check_kv_cache(KVCache) -> None:
     """Grade a preallocated cache class ``KVCache(n_layer, batch_size, n_head, head_dim, max_len, dtype, device)``."""
     gen = torch.Generator().manual_seed(3003)
@@ -152,14 +182,9 @@ def check_kv_cache(KVCache) -> None:
     # One more token than fits must be refused, not silently dropped or wrapped around.
     room = max_len - written
     k = torch.randn(B, H, room + 1, D, dtype=dt, generator=gen)
-    try:
-        cache.update(0, k, k.clone())
-        raised = False
-    except Exception:  # noqa: BLE001 - a ValueError is best, any error beats silence
-        raised = True
-    if not raised:
-        raise fail(NAME_CACHE, f"writing {room + 1} tokens when only {room} of max_len={max_len} positions are free "
-                               "did not raise: check the write fits and raise a ValueError naming max_len")
+    expect_value_error(NAME_CACHE, f"writing {room + 1} tokens when only {room} of max_len={max_len} "
+                                   "positions are free", cache.update, 0, k, k.clone())
+    _check_edges(KVCache)
 
     # reset() must really forget: a second prompt must not see the first one's keys.
     cache.reset()
@@ -262,6 +287,14 @@ def check_attention(attention) -> None:
                 raise fail(NAME_ATTENTION, f"{where}: {message}")
         raise fail(NAME_ATTENTION, f"{where}: max abs error {err:.2e} against float64 attention (tolerance 1e-5); "
                                    "expected softmax(q @ k^T / sqrt(D) + causal mask) @ v")
+    for dt in (torch.bfloat16, torch.float16):
+        q, k, v = (torch.randn(2, 2, 3, 8, generator=gen).to(dt) for _ in range(3))
+        out = attention(q, k, v, 0)
+        if not isinstance(out, torch.Tensor) or out.dtype != dt:
+            raise fail(NAME_ATTENTION, f"{dt} inputs: the output must be {dt} too, got "
+                                       f"{getattr(out, 'dtype', type(out).__name__)}")
+        if (out.double() - reference_attention(q, k, v, 0)).abs().max() > 3e-2:
+            raise fail(NAME_ATTENTION, f"{dt} inputs: the output is far from float64 attention")
     passed(NAME_ATTENTION, f"{len(cases)} shapes (prefill, decode, chunks after a past, batch > 1) match float64 "
                            "attention within 1e-5")
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ._common import fail, passed
+from ._common import expect_value_error, fail, learner_call, passed
 
 NAME = "check_quantize"
 BITS = (8, 4, 2)
@@ -42,7 +42,8 @@ def _which_dims(shape, scale_shape) -> str:
 
 def _call_quantize(quantize, x, bits, dim):
     xin = x.clone()
-    out = quantize(xin, bits, dim)
+    out = learner_call(NAME, f"quantize(<x {list(x.shape)} {x.dtype}>, bits={bits}, dim={dim})",
+                       quantize, xin, bits, dim)
     if not torch.equal(xin, x):
         raise fail(NAME, "quantize modified its input x in place; compute new tensors instead")
     if not isinstance(out, (tuple, list)) or len(out) != 3:
@@ -102,13 +103,13 @@ def _check_one(quantize, dequantize, x: torch.Tensor, bits: int, dim) -> None:
                              "x.amin(dim=dim, keepdim=True), x.amax(dim=dim, keepdim=True)")
         bad = ((step - ref).abs() / ref.clamp(min=1e-12)).max().item()
         raise fail(NAME, f"{where}: scale should be the step of each slice, (max - min) / (2**bits - 1) with "
-                         f"min/max taken along dim; yours is off by up to {bad:.1%}")
+                         f"min/max taken along dim; yours is off by up to {bad:.3g} (relative)")
 
     if int(q.max()) > levels:
         raise fail(NAME, f"{where}: a code is {int(q.max())}, but {bits} bits hold only 0 .. {levels}: "
                          "clamp the codes to [0, 2**bits - 1]")
 
-    xhat = dequantize(q, scale, zp)
+    xhat = learner_call(NAME, f"{where}: dequantize(q, scale, zero_point)", dequantize, q, scale, zp)
     if not isinstance(xhat, torch.Tensor) or not xhat.dtype.is_floating_point:
         raise fail(NAME, f"dequantize must return a floating-point tensor, got {getattr(xhat, 'dtype', type(xhat))}")
     if tuple(xhat.shape) != tuple(x.shape):
@@ -162,6 +163,23 @@ def _check_constant(quantize, dequantize, bits: int) -> None:
                              f"got errors up to {(xhat[idx] - c).abs().max().item():.3g}")
 
 
+def _check_dtypes(quantize, dequantize) -> None:
+    """Half-precision inputs: the statistics keep the input's dtype, the round trip stays close."""
+    g = torch.Generator().manual_seed(5)
+    for dt in (torch.float16, torch.bfloat16):
+        x = (torch.randn(2, 3, 8, 16, generator=g) * 3).to(dt)
+        q, scale, zp = _call_quantize(quantize, x, 4, -1)
+        for name, t in (("scale", scale), ("zero_point", zp)):
+            if t.dtype != dt:
+                raise fail(NAME, f"x in {dt}: {name} is {t.dtype}; the statistics keep the input's dtype "
+                                 "(compute them from x itself, no .float())")
+        xhat = learner_call(NAME, f"dequantize of a {dt} input", dequantize, q, scale, zp)
+        err = (xhat.double() - x.double()).abs() / scale.double()
+        if not xhat.dtype.is_floating_point or err.max() > 1.0:   # half a step + half-precision rounding
+            raise fail(NAME, f"x in {dt}: dequantize returned {xhat.dtype} with errors up to "
+                             f"{err.max().item():.3g} steps (at most half a step, plus {dt} rounding)")
+
+
 def check_quantize(quantize, dequantize) -> None:
     """Grade a learner's asymmetric min/max ``quantize`` / ``dequantize`` against float64 arithmetic."""
     n = 0
@@ -172,17 +190,8 @@ def check_quantize(quantize, dequantize) -> None:
                 n += 1
         _check_constant(quantize, dequantize, bits)
     x = _inputs()[0][0]
-    for bad in (1, 3, 16):
-        try:
-            quantize(x.clone(), bad, -1)
-        except ValueError:
-            continue
-        except NotImplementedError:
-            raise
-        except Exception as e:  # noqa: BLE001 - any other error type is the learner's to fix
-            raise fail(NAME, f"bits={bad}: raise ValueError naming the supported bits (2, 4, 8); "
-                             f"you raised {type(e).__name__}: {e}") from None
-        raise fail(NAME, f"bits={bad} is not supported: quantize must raise ValueError saying bits must be "
-                         "one of (2, 4, 8), not return codes")
+    for bad in (0, 1, 3, 5, 6, 7, 16):
+        expect_value_error(NAME, f"bits={bad}: bits must be one of (2, 4, 8), so this", quantize, x.clone(), bad, -1)
+    _check_dtypes(quantize, dequantize)
     passed(NAME, f"{n} tensors/bits/dims round-trip within half a step (float64 reference), uint8 codes, "
-                 "constant slices exact, unsupported bits rejected")
+                 "constant slices exact, fp16/bf16 statistics keep their dtype, unsupported bits (odd and even) rejected")
