@@ -28,7 +28,7 @@ NAME_BATCH = "check_max_batch_size"
 def _tiny_configs():
     """Small random-model configs, with every factor different from 2 where it matters, so that each
     classic mistake changes the answer by a factor no other mistake produces."""
-    from transformers import GPT2Config, LlamaConfig
+    from transformers import GPT2Config, LlamaConfig, MixtralConfig, Qwen2Config
 
     common = dict(vocab_size=64, intermediate_size=48)
     return [
@@ -41,6 +41,12 @@ def _tiny_configs():
         ("Llama with an explicit head_dim (24, while hidden_size / heads = 8)",
          LlamaConfig(hidden_size=32, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4,
                      head_dim=24, **common)),
+        ("Qwen2-style grouped-query config with no head_dim attribute at all",
+         Qwen2Config(hidden_size=40, num_hidden_layers=2, num_attention_heads=5, num_key_value_heads=1,
+                     **common)),
+        ("Mixtral-style config whose head_dim is None",
+         MixtralConfig(hidden_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                       num_local_experts=2, num_experts_per_tok=1, head_dim=None, **common)),
     ]
 
 
@@ -124,8 +130,9 @@ def check_kv_cache_bytes(kv_cache_bytes) -> None:
     from ..memory import fill_dynamic_cache, measure_config, measured_cache_bytes
 
     cases = []  # (label, config, seq_len, batch, dtype, want, how we know)
-    for (label, cfg), (T, B, dt) in zip(_tiny_configs(), [(7, 3, torch.float32), (5, 2, torch.float16),
-                                                          (9, 1, torch.bfloat16), (6, 2, torch.float32)]):
+    sizes = [(7, 3, torch.float32), (5, 2, torch.float16), (9, 1, torch.bfloat16), (6, 2, torch.float32),
+             (4, 2, torch.float32), (3, 1, torch.bfloat16)]
+    for (label, cfg), (T, B, dt) in zip(_tiny_configs(), sizes):
         cases.append((label, cfg, T, B, dt, measure_config(cfg, T, B, dt), "measured from a real DynamicCache"))
     model, _ = grading_model()       # the bundled, trained model: a real GPT-2 forward pass fills the cache
     cases.append(("the bundled kvlab-tiny model", model.config, 21, 2, torch.float32,
