@@ -364,3 +364,22 @@ def check_generate_with_cache(KVCache, attention) -> None:
         raise fail(NAME_GENERATE, "a 1-token prompt, batch 1: the tokens differ from transformers' greedy tokens")
     passed(NAME_GENERATE, "GPT2 with your KVCache and attention generates transformers' greedy tokens exactly "
                           "(batch 2, two prompts through one cache, a 1-token prompt)")
+
+
+def check_cache_bytes_prediction(KVCache, predicted_bytes) -> None:
+    """Grade a predicted byte count for ``KVCache`` at real GPT-2 small's sizes (12 layers, 12 heads
+    of 64, 1,024 positions, batch 1, fp32) against the bytes its buffers hold, built on ``meta``."""
+    name = "check_cache_bytes_prediction"
+    try:
+        cache = KVCache(12, 1, 12, 64, 1024, torch.float32, "meta")
+    except Exception as e:  # noqa: BLE001
+        raise fail(name, f"KVCache(12, 1, 12, 64, 1024, float32, 'meta') raised {type(e).__name__}: {e}") from e
+    held = sum(t.numel() * t.element_size() for t in _tensors(cache))
+    if not isinstance(predicted_bytes, int) or isinstance(predicted_bytes, bool):
+        raise fail(name, f"predict a whole number of bytes (an int), got {type(predicted_bytes).__name__}")
+    if predicted_bytes != held:
+        ratio = predicted_bytes / held if held else float("inf")
+        raise fail(name, f"you predicted {predicted_bytes:,} bytes; your cache's buffers hold {held:,} "
+                         f"(your prediction is {ratio:.3g} times that): count keys AND values, every "
+                         "layer, max_len positions (it is preallocated), 4 bytes per float32")
+    passed(name, f"{held:,} bytes, exactly what the buffers of your KVCache hold at GPT-2 small's sizes")
