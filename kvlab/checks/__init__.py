@@ -10,8 +10,8 @@ from .lab01 import check_naive_generate, check_sample_generate
 from .lab02 import check_cached_generate, check_generate_until
 from .lab03 import (check_attention, check_cache_bytes_prediction, check_generate_with_cache,
                     check_kv_cache)
-from .lab04 import check_kv_cache_bytes, check_max_batch_size
-from .lab05 import check_quantize
-from .lab06 import check_batched_generate, check_make_batch
+from .lab04 import check_kv_cache_bytes, check_max_batch_size, check_max_seq_len
+from .lab05 import check_quantize, check_quantize_int
+from .lab06 import check_batched_generate, check_batched_generate_until, check_make_batch
 
-__all__ = ["check_naive_generate", "check_sample_generate", "check_cached_generate", "check_generate_until", "check_kv_cache", "check_attention", "check_generate_with_cache", "check_cache_bytes_prediction", "check_kv_cache_bytes", "check_max_batch_size", "check_quantize", "check_make_batch", "check_batched_generate"]
+__all__ = ["check_naive_generate", "check_sample_generate", "check_cached_generate", "check_generate_until", "check_kv_cache", "check_attention", "check_generate_with_cache", "check_cache_bytes_prediction", "check_kv_cache_bytes", "check_max_batch_size", "check_max_seq_len", "check_quantize", "check_quantize_int", "check_make_batch", "check_batched_generate", "check_batched_generate_until"]

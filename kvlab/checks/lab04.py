@@ -204,3 +204,43 @@ def check_max_batch_size(max_batch_size) -> None:
                                               "(use <=, or floor division)")
             raise fail(NAME_BATCH, head + ": the largest batch is free_bytes // kv_cache_bytes(config, seq_len, 1, dtype)")
     passed(NAME_BATCH, f"{n} boundary cases (exact fit, one byte short, zero fits) on {len(configs)} configs")
+
+
+NAME_SEQ = "check_max_seq_len"
+
+
+def check_max_seq_len(max_seq_len) -> None:
+    """Grade ``max_seq_len(config, batch_size, dtype, free_bytes) -> int``: the longest context whose
+    cache, for ``batch_size`` sequences, fits in ``free_bytes`` (capped at the model's context
+    length, ``max_position_embeddings`` / ``n_positions``), at the fit/no-fit boundaries."""
+    from transformers import GPT2Config, MixtralConfig
+
+    configs = [
+        ("GPT-2 small (context 1,024)", GPT2Config(), 4, torch.float16),
+        ("a Mixtral-style GQA config, head_dim None (context 32,768)",
+         MixtralConfig(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
+                       num_key_value_heads=8, head_dim=None), 2, torch.bfloat16),
+    ]
+    n = 0
+    for label, cfg, B, dt in configs:
+        layers, _, kv, head_dim, _ = _shape(cfg)
+        per_token = 2 * layers * kv * head_dim * B * torch.empty((), dtype=dt).element_size()
+        ctx = getattr(cfg, "max_position_embeddings", None) or cfg.n_positions
+        for free, want, what in [
+            (300 * per_token, 300, "free_bytes holds exactly 300 tokens for every sequence"),
+            (300 * per_token - 1, 299, "free_bytes is ONE byte short of 300 tokens"),
+            (per_token - 1, 0, "free_bytes is one byte short of a single token"),
+            (10 * ctx * per_token, ctx, "free_bytes holds ten times the model's context"),
+        ]:
+            n += 1
+            got = _as_int(_call(max_seq_len, NAME_SEQ, (cfg, B, dt, free)), NAME_SEQ, f"{label}, {what}")
+            if got == want:
+                continue
+            head = (f"{label}, batch_size={B}, {dt}: one token of every sequence takes {per_token:,} "
+                    f"bytes; {what} (free_bytes={free:,}), so the answer is {want}, you returned {got}")
+            hint = (": the model cannot attend past its context; cap the answer at "
+                    "max_position_embeddings (n_positions on GPT-2)" if want == ctx else
+                    ": a token whose cache only partly fits does not fit; round down")
+            raise fail(NAME_SEQ, head + hint)
+    passed(NAME_SEQ, f"{n} boundary cases (exact fit, one byte short, capped at the context) on "
+                     f"{len(configs)} configs")

@@ -195,3 +195,61 @@ def check_quantize(quantize, dequantize) -> None:
     _check_dtypes(quantize, dequantize)
     passed(NAME, f"{n} tensors/bits/dims round-trip within half a step (float64 reference), uint8 codes, "
                  "constant slices exact, fp16/bf16 statistics keep their dtype, unsupported bits (odd and even) rejected")
+
+
+# ------------------------------------------------------------------ an integer zero point
+
+NAME_INT = "check_quantize_int"
+
+
+def _int_reference(x, bits, dim, scale):
+    """float64 reference of the integer-zero-point scheme, given the learner's own scale."""
+    xd, levels = x.double(), 2 ** bits - 1
+    lo = xd.amin(dim=dim, keepdim=True).clamp(max=0)
+    hi = xd.amax(dim=dim, keepdim=True).clamp(min=0)
+    z = torch.round(-lo / scale.double()).clamp(0, levels)
+    return lo, hi, z
+
+
+def _check_int_case(quantize_int, dequantize_int, x, bits, dim) -> None:
+    where = f"x of shape {list(x.shape)}, bits={bits}, dim={dim}"
+    out = learner_call(NAME_INT, f"quantize_int(<x>, {bits}, {dim})", quantize_int, x.clone(), bits, dim)
+    if not isinstance(out, (tuple, list)) or len(out) != 3:
+        raise fail(NAME_INT, f"{where}: return a tuple (q, scale, zero_point)")
+    q, scale, z = out
+    if z.dtype.is_floating_point:
+        raise fail(NAME_INT, f"{where}: zero_point is {z.dtype}: this scheme stores it as an INTEGER "
+                             "code, z = round(-min / scale), e.g. torch.uint8 or torch.int32")
+    lo, hi, z_ref = _int_reference(x, bits, dim, scale)
+    if not torch.allclose(scale.double(), (hi - lo) / (2 ** bits - 1), rtol=1e-4, atol=1e-7):
+        raise fail(NAME_INT, f"{where}: scale should be (max - min) / (2**bits - 1) over a range that "
+                             "INCLUDES 0 (min clamped to <= 0, max to >= 0), so that 0 is a code")
+    if not torch.equal(z.long(), z_ref.long()):
+        raise fail(NAME_INT, f"{where}: zero_point should be round(-min / scale), clamped to "
+                             f"[0, {2 ** bits - 1}]")
+    xhat = learner_call(NAME_INT, f"{where}: dequantize_int(q, scale, zero_point)", dequantize_int,
+                        q, scale, z)
+    err = (xhat.double() - x.double()).abs()
+    if (err > scale.double() / 2 * (1 + 1e-4) + 1e-6).any():
+        raise fail(NAME_INT, f"{where}: the round trip is off by up to {(err / scale).max():.3g} steps "
+                             "(at most half a step): x_hat = (q - zero_point) * scale, with "
+                             "q = clamp(round(x / scale) + zero_point, 0, 2**bits - 1)")
+    zeros = learner_call(NAME_INT, "dequantize_int of an exact 0", dequantize_int,
+                         z.to(q.dtype).expand_as(scale).clone(), scale, z)
+    if (zeros != 0).any():
+        raise fail(NAME_INT, f"{where}: the code zero_point must give back exactly 0.0")
+
+
+def check_quantize_int(quantize_int, dequantize_int) -> None:
+    """Grade min/max quantization with an integer zero point (0.0 represented exactly)."""
+    g = torch.Generator().manual_seed(8080)
+    x = torch.randn(2, 3, 10, 8, generator=g)
+    x[0, 0] += 5                                           # slices with only positive values
+    x[1, 2] -= 5                                           # ... and only negative ones
+    cases = [(x, bits, dim) for bits in (8, 4, 2) for dim in (-1, -2)]
+    for case in cases:
+        _check_int_case(quantize_int, dequantize_int, *case)
+    expect_value_error(NAME_INT, "bits=3: bits must be one of (2, 4, 8), so this", quantize_int,
+                       x.clone(), 3, -1)
+    passed(NAME_INT, f"{len(cases)} tensors/bits/dims: integer zero points, 0.0 exact, within half a "
+                     "step, also on all-positive and all-negative slices")

@@ -316,3 +316,64 @@ def check_batched_generate(batched_generate) -> None:
     passed(NAME_GEN, f"{len(cases)} batches (mixed lengths, one prompt, 0 new tokens, the pad token "
                      "inside a prompt, a row that reaches end-of-text) equal each prompt generated alone, "
                      "one forward per step over the whole batch with the cache")
+
+
+# ------------------------------------------------------------------------ per-row end-of-text
+
+NAME_UNTIL = "check_batched_generate_until"
+
+
+def _until_cases(model, tok):
+    """(name, prompts, n, grading-only eos id): rows end at different steps, or never."""
+    ids = torch.tensor([tok(GRADER_TEXTS[3]).input_ids])
+    second = int(hf_greedy(model, ids, 2)[0, -1])             # row 0's 2nd new token
+    alone = [hf_greedy(model, torch.tensor([tok(t).input_ids]), 1)[0, -1] for t in _MIXED[:2]]
+    return [("row 0 ends early, the others go on", [GRADER_TEXTS[3], GRADER_TEXTS[0], GRADER_TEXTS[4]],
+             6, second),
+            ("a short batch whose first new token may be end-of-text", _MIXED[:2], 5, int(alone[0])
+             if int(alone[0]) == int(alone[1]) else second),
+            ("end-of-text never comes", _MIXED[1:3], 4, tok.vocab_size - 1),
+            ("the end-of-text id also inside a prompt", [_WITH_PAD, GRADER_TEXTS[1]], 4,
+             tok.eos_token_id)]
+
+
+def _grade_until(got, want, calls, eos, what) -> None:
+    for i, (g, w) in enumerate(zip(got, want)):
+        if g == w:
+            continue
+        if len(g) < len(w) and g == w[:len(g)]:
+            raise fail(NAME_UNTIL, f"{what}: row {i} stopped after {len(g)} tokens, but it has not "
+                                   f"produced end-of-text ({eos}) yet: when one row ends, the others "
+                                   "go on (never stop the whole batch for one row)")
+        if len(g) > len(w) and g[:len(w)] == w:
+            raise fail(NAME_UNTIL, f"{what}: row {i} goes on after its end-of-text token ({eos}, new "
+                                   f"token #{len(w)}): cut each row right after its own end-of-text")
+        raise fail(NAME_UNTIL, f"{what}: row {i} should be {w}, got {g}")
+    steps = max(map(len, want))
+    if len(calls) > steps:
+        raise fail(NAME_UNTIL, f"{what}: {len(calls)} forward passes, but the longest row is done after "
+                               f"{steps}: stop the loop once every row has ended (or the budget is spent)")
+
+
+def check_batched_generate_until(batched_generate_until) -> None:
+    """Grade ``batched_generate_until(model, tokenizer, prompts, max_new_tokens)``: each row's greedy
+    new tokens up to and including its own first end-of-text token (``tokenizer.eos_token_id``),
+    computed as one batch, with grading-only end-of-text ids the model really produces."""
+    from ..batching import one_by_one
+
+    model, tok0 = grading_model()
+    guard = LearnerModel(NAME_UNTIL, model)
+    cases = _until_cases(model, tok0)
+    for name, prompts, n, eos in cases:
+        tok = grading_tokenizer(tok0, eos)
+        what = f"{name} (eos_token_id={eos}): batched_generate_until(model, tok, <{len(prompts)}>, {n})"
+        with guard.case(eos) as mine:
+            out = learner_call(NAME_UNTIL, what, batched_generate_until, mine, tok, prompts, n)
+        if isinstance(out, torch.Tensor) or not isinstance(out, (list, tuple)) or len(out) != len(prompts):
+            raise fail(NAME_UNTIL, f"{what}: return a list with one list of new token ids per prompt")
+        got = [[int(t) for t in row] for row in out]
+        if guard.calls and guard.calls[0].ids is not None and guard.calls[0].ids.shape[0] != len(prompts):
+            raise fail(NAME_UNTIL, f"{what}: the first forward pass did not run the whole batch")
+        _grade_until(got, one_by_one(model, tok, prompts, n, stop_at_eos=True), guard.calls, eos, what)
+    passed(NAME_UNTIL, f"{len(cases)} batches (one row ends early, a short batch, none ends, eos inside "
+                       "a prompt) stop row by row exactly like each prompt generated alone")
