@@ -8,6 +8,8 @@ candidate's own step of the original.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from ._common import expect_value_error, fail, learner_call, passed
@@ -55,81 +57,110 @@ def _call_quantize(quantize, x, bits, dim):
     return q, scale, zp
 
 
-def _check_one(quantize, dequantize, x: torch.Tensor, bits: int, dim) -> None:
-    levels = 2 ** bits - 1
-    where = f"x of shape {list(x.shape)}, bits={bits}, dim={dim}"
-    q, scale, zp = _call_quantize(quantize, x, bits, dim)
+@dataclass
+class _Q:
+    """One quantize call as the grader sees it (``step``/``ref`` in float64)."""
 
-    # integer storage: the whole point of quantizing a cache is fewer bytes
-    if q.dtype.is_floating_point:
-        raise fail(NAME, f"{where}: q is {q.dtype}: you store the rounded codes as floats, which is "
-                         "article A's mistake (it takes as many bytes as the original and saves no memory). "
-                         "Store integer codes: q = torch.round(...).clamp(0, 2**bits - 1).to(torch.uint8)")
-    if q.dtype != torch.uint8:
-        raise fail(NAME, f"{where}: q is {q.dtype} ({q.element_size()} bytes a code); store codes as "
-                         "torch.uint8, one byte each (codes 0 .. 2**bits - 1 always fit)")
-    if tuple(q.shape) != tuple(x.shape):
-        raise fail(NAME, f"{where}: q must have the shape of x, {list(x.shape)}; got {list(q.shape)}")
+    x: torch.Tensor
+    bits: int
+    dim: int
+    q: torch.Tensor
+    scale: torch.Tensor
+    zp: torch.Tensor
+    want: tuple          # the statistics' shape: x's with dim reduced to 1
 
-    # one scale per slice along dim, keepdim=True
-    want = _reduced_shape(x.shape, dim)
-    if scale.numel() == 1 or (scale.dim() > 0 and all(s == 1 for s in scale.shape)):
-        raise fail(NAME, f"{where}: you use one scale for the whole tensor (scale has {scale.numel()} "
-                         f"element). Take min and max along dim only: x.amin(dim=dim, keepdim=True) gives "
-                         f"one scale per slice, shape {list(want)}, so one outlier cannot spoil every slice")
-    if tuple(scale.shape) != want:
-        raise fail(NAME, f"{where}: statistics along the wrong axis: scale should have shape {list(want)} "
-                         f"(min/max reduced along dim={dim}, keepdim=True), but yours has {list(scale.shape)}: "
-                         f"{_which_dims(x.shape, scale.shape)}. dim is the axis to reduce over")
-    if tuple(zp.shape) != want:
-        raise fail(NAME, f"{where}: zero_point should have the shape of scale, {list(want)}; got {list(zp.shape)}")
-    if not (torch.isfinite(scale).all() and torch.isfinite(zp).all()):
-        raise fail(NAME, f"{where}: scale or zero_point contains NaN or inf")
+    @property
+    def levels(self):
+        return 2 ** self.bits - 1
 
-    # the step: (max - min) / (2**bits - 1), in float64
-    xd = x.double()
-    lo, hi = xd.amin(dim=dim, keepdim=True), xd.amax(dim=dim, keepdim=True)
-    step = scale.double()
-    ref = (hi - lo) / levels
-    if not torch.allclose(step, ref, rtol=1e-4, atol=1e-7):
-        if torch.allclose(step, (hi - lo) / 2 ** bits, rtol=1e-4, atol=1e-7):
-            raise fail(NAME, f"{where}: scale is (max - min) / 2**bits. {bits} bits give 2**bits = {2 ** bits} "
-                             f"codes, 0 .. {levels}, so the range is split into 2**bits - 1 = {levels} steps: "
-                             "scale = (max - min) / (2**bits - 1)")
-        glob = (xd.max() - xd.min()) / levels
-        if torch.allclose(step, glob.expand_as(step), rtol=1e-4):
-            raise fail(NAME, f"{where}: every slice has the same scale, the whole tensor's range: that is "
-                             "one scale for the whole tensor, expanded. Take min and max of each slice: "
-                             "x.amin(dim=dim, keepdim=True), x.amax(dim=dim, keepdim=True)")
-        bad = ((step - ref).abs() / ref.clamp(min=1e-12)).max().item()
-        raise fail(NAME, f"{where}: scale should be the step of each slice, (max - min) / (2**bits - 1) with "
-                         f"min/max taken along dim; yours is off by up to {bad:.3g} (relative)")
+    def range(self):
+        xd = self.x.double()
+        return xd.amin(dim=self.dim, keepdim=True), xd.amax(dim=self.dim, keepdim=True)
 
-    if int(q.max()) > levels:
-        raise fail(NAME, f"{where}: a code is {int(q.max())}, but {bits} bits hold only 0 .. {levels}: "
-                         "clamp the codes to [0, 2**bits - 1]")
 
-    xhat = learner_call(NAME, f"{where}: dequantize(q, scale, zero_point)", dequantize, q, scale, zp)
+def _close(a, b):
+    return torch.allclose(a, b.expand_as(a), rtol=1e-4, atol=1e-7)
+
+
+# Codes and statistics: (test, message). The first test that holds names the mistake.
+_CODES = [
+    (lambda c: c.q.dtype.is_floating_point,
+     "q is {qdt}: you store the rounded codes as floats, which is article A's mistake (as many bytes "
+     "as the original, no memory saved). Store integer codes: torch.round(...).clamp(0, 2**bits - "
+     "1).to(torch.uint8)"),
+    (lambda c: c.q.dtype != torch.uint8,
+     "q is {qdt}; store codes as torch.uint8, one byte each (codes 0 .. 2**bits - 1 always fit)"),
+    (lambda c: tuple(c.q.shape) != tuple(c.x.shape),
+     "q must have the shape of x, {xs}; got {qs}"),
+    (lambda c: c.scale.numel() == 1 or all(n == 1 for n in c.scale.shape),
+     "you use one scale for the whole tensor (scale has {sn} element). Take min and max along dim "
+     "only: x.amin(dim=dim, keepdim=True) gives one scale per slice, shape {want}"),
+    (lambda c: tuple(c.scale.shape) != c.want,
+     "statistics along the wrong axis: scale should have shape {want} (min/max reduced along "
+     "dim={dim}, keepdim=True), but yours has {ss}: {which}. dim is the axis to reduce over"),
+    (lambda c: tuple(c.zp.shape) != c.want,
+     "zero_point should have the shape of scale, {want}; got {zs}"),
+    (lambda c: not (torch.isfinite(c.scale).all() and torch.isfinite(c.zp).all()),
+     "scale or zero_point contains NaN or inf"),
+    (lambda c: _close(c.scale.double(), (c.range()[1] - c.range()[0]) / 2 ** c.bits),
+     "scale is (max - min) / 2**bits. {bits} bits give 2**bits codes, 0 .. {levels}, so the range is "
+     "split into 2**bits - 1 = {levels} steps: scale = (max - min) / (2**bits - 1)"),
+    (lambda c: _close(c.scale.double(), (c.x.double().max() - c.x.double().min()) / c.levels)
+     and not _close(c.scale.double(), (c.range()[1] - c.range()[0]) / c.levels),
+     "every slice has the same scale, the whole tensor's range: one scale for the whole tensor, "
+     "expanded. Take min and max of each slice (x.amin / x.amax with dim=dim, keepdim=True)"),
+    (lambda c: not _close(c.scale.double(), (c.range()[1] - c.range()[0]) / c.levels),
+     "scale should be the step of each slice, (max - min) / (2**bits - 1) with min/max taken along "
+     "dim; yours is off by up to {off:.3g} (relative)"),
+    (lambda c: int(c.q.max()) > c.levels,
+     "a code is {qmax}, but {bits} bits hold only 0 .. {levels}: clamp the codes to "
+     "[0, 2**bits - 1]"),
+]
+
+
+def _format(c: _Q) -> dict:
+    lo, hi = c.range()
+    ref = (hi - lo) / c.levels
+    same = c.scale.shape == ref.shape
+    off = ((c.scale.double() - ref).abs() / ref.clamp(min=1e-12)).max().item() if same else float("nan")
+    return dict(qdt=c.q.dtype, xs=list(c.x.shape), qs=list(c.q.shape), sn=c.scale.numel(),
+                want=list(c.want), dim=c.dim, ss=list(c.scale.shape), zs=list(c.zp.shape),
+                which=_which_dims(c.x.shape, c.scale.shape), bits=c.bits, levels=c.levels, off=off,
+                qmax=int(c.q.max()) if c.q.numel() else 0)
+
+
+def _check_round_trip(c: _Q, xhat, where) -> None:
     if not isinstance(xhat, torch.Tensor) or not xhat.dtype.is_floating_point:
-        raise fail(NAME, f"dequantize must return a floating-point tensor, got {getattr(xhat, 'dtype', type(xhat))}")
-    if tuple(xhat.shape) != tuple(x.shape):
-        raise fail(NAME, f"{where}: dequantize returned shape {list(xhat.shape)}, expected {list(x.shape)}")
-    if not torch.isfinite(xhat).all():
-        raise fail(NAME, f"{where}: dequantize returned NaN or inf")
+        raise fail(NAME, f"{where}: dequantize must return a floating-point tensor, got "
+                         f"{getattr(xhat, 'dtype', type(xhat).__name__)}")
+    if tuple(xhat.shape) != tuple(c.x.shape) or not torch.isfinite(xhat).all():
+        raise fail(NAME, f"{where}: dequantize returned shape {list(xhat.shape)} (expected "
+                         f"{list(c.x.shape)}) or NaN/inf values")
+    xd, step = c.x.double(), c.scale.double()
     err = (xhat.double() - xd).abs()
     # half a step, plus float32 rounding slack (a few ulps of the values involved)
-    tol = step / 2 * (1 + 1e-4) + 4e-7 * (1 + xd.abs() + zp.double().abs())
-    if (err > tol).any():
-        steps = err / step
-        worst = steps.max().item()
-        signed = ((xhat.double() - xd) / step).mean().item()
-        if worst <= 1.0 + 1e-3 and signed < -0.25:
-            raise fail(NAME, f"{where}: reconstruction is off by up to {worst:.2f} of a step and lies below x on average: "
-                             "you truncate (floor, int(), or .to(torch.uint8) alone, which truncates) instead of "
-                             "rounding to the nearest code. Use torch.round((x - min) / scale) before converting")
-        raise fail(NAME, f"{where}: dequantize(quantize(x)) is off by up to {worst:.2f} steps; at most half a "
-                         "step is allowed. dequantize must invert quantize: x_hat = q * scale + zero_point "
-                         "(zero_point = min), with q = round((x - min) / scale)")
+    tol = step / 2 * (1 + 1e-4) + 4e-7 * (1 + xd.abs() + c.zp.double().abs())
+    if not (err > tol).any():
+        return
+    worst = (err / step).max().item()
+    if worst <= 1.0 + 1e-3 and ((xhat.double() - xd) / step).mean().item() < -0.25:
+        raise fail(NAME, f"{where}: reconstruction is off by up to {worst:.2f} of a step and lies below "
+                         "x on average: you truncate (floor, int(), or .to(torch.uint8) alone) instead "
+                         "of rounding to the nearest code. Use torch.round((x - min) / scale) first")
+    raise fail(NAME, f"{where}: dequantize(quantize(x)) is off by up to {worst:.2f} steps; at most "
+                     "half a step is allowed. x_hat = q * scale + zero_point (zero_point = min), with "
+                     "q = round((x - min) / scale)")
+
+
+def _check_one(quantize, dequantize, x: torch.Tensor, bits: int, dim) -> None:
+    where = f"x of shape {list(x.shape)}, bits={bits}, dim={dim}"
+    q, scale, zp = _call_quantize(quantize, x, bits, dim)
+    c = _Q(x, bits, dim, q, scale, zp, _reduced_shape(x.shape, dim))
+    for broken, message in _CODES:
+        if broken(c):
+            raise fail(NAME, f"{where}: " + message.format(**_format(c)))
+    xhat = learner_call(NAME, f"{where}: dequantize(q, scale, zero_point)", dequantize, q, scale, zp)
+    _check_round_trip(c, xhat, where)
 
 
 def _check_constant(quantize, dequantize, bits: int) -> None:
