@@ -45,59 +45,72 @@ def _as_long(x, what: str, check: str) -> torch.Tensor:
 
 # ----------------------------------------------------------------------------------------- make_batch
 
+# One row of a left-padded batch: (test, message). ``r`` holds the row's tensors and its prompt:
+# ids/mask/pos (the row), real (the prompt's tokens), L, k (pads), T, pad, ctx, no_pad.
+_ROW_RULES = [
+    (lambda r: r.ids[r.k:].tolist() != r.real and r.k and r.ids[:r.L].tolist() == r.real,
+     "row {i} ({L} tokens, {k} pads) has its tokens FIRST and the pads after them: that is right "
+     "padding. Pad on the LEFT, so that every row's last real token is in the last column, where the "
+     "next token is read (tokenizer(..., padding_side='left') or build the rows yourself)"),
+    (lambda r: r.ids[r.k:].tolist() != r.real,
+     "row {i}: expected the prompt's {L} tokens {head}... at the right end of the row, got {got}..."),
+    (lambda r: r.k and r.ids[:r.k].tolist() != [r.pad] * r.k and r.no_pad,
+     "the tokenizer has no pad token; row {i}'s pads are {pads}, expected the eos id {pad}: fall back "
+     "to tokenizer.eos_token_id"),
+    (lambda r: r.k and r.ids[:r.k].tolist() != [r.pad] * r.k,
+     "row {i}'s pads are {pads}; pad with tokenizer.pad_token_id ({pad})"),
+    (lambda r: r.k and r.mask.tolist() == [1] * r.T,
+     "row {i} has {k} pads but its attention_mask is all ones: the mask must be 0 on pads (so no "
+     "real token attends to them) and 1 on real tokens"),
+    (lambda r: r.pad in r.real and r.mask[r.k:].tolist() != [1] * r.L,
+     "row {i}'s prompt contains the pad id {pad} as a REAL token, and your mask hides it: build the "
+     "mask from the prompt lengths, not from input_ids != pad_id"),
+    (lambda r: r.mask.tolist() != [0] * r.k + [1] * r.L,
+     "row {i}: attention_mask should be {k} zeros then {L} ones, got {mask}"),
+    (lambda r: r.k and r.pos[r.k:].tolist() == list(range(r.k, r.T)),
+     "row {i} ({k} pads): its first real token has position id {k}, the column number. Positions "
+     "count real tokens only, 0 for the first one: attention_mask.cumsum(-1) - 1 (pads clamped to 0)"),
+    (lambda r: r.pos[r.k:].tolist() != list(range(r.L)),
+     "row {i}: the position ids of its {L} real tokens should be 0..{L1}, got {gpos}..."),
+    (lambda r: r.k and (int(r.pos[:r.k].min()) < 0 or int(r.pos[:r.k].max()) >= r.ctx),
+     "row {i}: pad positions {ppos} are not valid indices into the position embedding "
+     "(0..{ctx1}); clamp them, e.g. to 0"),
+]
+
+
+class _Row:
+    def __init__(self, ids, mask, pos, real, T, pad, ctx, no_pad):
+        self.ids, self.mask, self.pos, self.real, self.T = ids, mask, pos, real, T
+        self.L, self.k, self.pad, self.ctx, self.no_pad = len(real), T - len(real), pad, ctx, no_pad
+
+    def fmt(self, i) -> dict:
+        return dict(i=i, L=self.L, k=self.k, head=self.real[:8], got=self.ids.tolist()[:12],
+                    pads=sorted(set(self.ids[:self.k].tolist())), pad=self.pad, mask=self.mask.tolist(),
+                    L1=self.L - 1, gpos=self.pos[self.k:].tolist()[:10],
+                    ppos=self.pos[:self.k].tolist(), ctx1=self.ctx - 1)
+
+
 def _grade_one_batch(make_batch, tok, prompts, ctx, no_pad_token: bool) -> None:
-    want_pad = tok.eos_token_id if tok.pad_token_id is None else tok.pad_token_id
-    what = (f"with a tokenizer that has no pad token (like real GPT-2's), make_batch(tok, <{len(prompts)} "
-            "prompts>); fall back to tokenizer.eos_token_id" if no_pad_token
+    pad = tok.eos_token_id if tok.pad_token_id is None else tok.pad_token_id
+    what = (f"with a tokenizer that has no pad token (like real GPT-2's), make_batch(tok, "
+            f"<{len(prompts)} prompts>); fall back to tokenizer.eos_token_id" if no_pad_token
             else f"make_batch(tok, <{len(prompts)} prompts>)")
     result = learner_call(NAME_BATCH, what, make_batch, tok, prompts)
     if not isinstance(result, (tuple, list)) or len(result) != 3:
         raise fail(NAME_BATCH, "return a tuple (input_ids, attention_mask, position_ids)")
-    ids, mask, pos = (_as_long(x, n, NAME_BATCH) for x, n in zip(result, ("input_ids", "attention_mask", "position_ids")))
+    names = ("input_ids", "attention_mask", "position_ids")
+    tensors = [_as_long(x, n, NAME_BATCH) for x, n in zip(result, names)]
     rows = [_tokens(tok, p) for p in prompts]
     B, T = len(rows), max(len(r) for r in rows)
-    for x, n in ((ids, "input_ids"), (mask, "attention_mask"), (pos, "position_ids")):
+    for x, n in zip(tensors, names):
         if list(x.shape) != [B, T]:
-            raise fail(NAME_BATCH, f"{len(prompts)} prompts, the longest {T} tokens: {n} must have shape "
-                                   f"[{B}, {T}], got {list(x.shape)} (pad every row to the longest prompt)")
-    for i, (real, p) in enumerate(zip(rows, prompts)):
-        L, k = len(real), T - len(real)
-        if ids[i, k:].tolist() != real:
-            if k and ids[i, :L].tolist() == real:
-                raise fail(NAME_BATCH, f"row {i} ({L} tokens, {k} pads) has its tokens FIRST and the pads after "
-                                       "them: that is right padding. Pad on the LEFT, so that every row's last "
-                                       "real token is in the last column, where the next token is read "
-                                       "(tokenizer(..., padding_side='left') or build the rows yourself)")
-            raise fail(NAME_BATCH, f"row {i}: expected the prompt's {L} tokens {real[:8]}... at the right end "
-                                   f"of the row, got {ids[i].tolist()[:12]}...")
-        if k and ids[i, :k].tolist() != [want_pad] * k:
-            if no_pad_token:
-                raise fail(NAME_BATCH, f"the tokenizer has no pad token; row {i}'s pads are "
-                                       f"{sorted(set(ids[i, :k].tolist()))}, expected the eos id {want_pad}: "
-                                       "fall back to tokenizer.eos_token_id")
-            raise fail(NAME_BATCH, f"row {i}'s pads are {sorted(set(ids[i, :k].tolist()))}; pad with "
-                                   f"tokenizer.pad_token_id ({want_pad})")
-        want_mask = [0] * k + [1] * L
-        if mask[i].tolist() != want_mask:
-            if k and mask[i].tolist() == [1] * T:
-                raise fail(NAME_BATCH, f"row {i} has {k} pads but its attention_mask is all ones: the mask must "
-                                       "be 0 on pads (so no real token attends to them) and 1 on real tokens")
-            if real.count(want_pad) and mask[i, k:].tolist() != [1] * L:
-                raise fail(NAME_BATCH, f"row {i}'s prompt contains the pad id {want_pad} as a REAL token, "
-                                       "and your mask hides it: build the mask from the prompt lengths, "
-                                       "not from input_ids != pad_id")
-            raise fail(NAME_BATCH, f"row {i}: attention_mask should be {want_mask}, got {mask[i].tolist()}")
-        got_pos = pos[i, k:].tolist()
-        if got_pos != list(range(L)):
-            if k and got_pos == list(range(k, T)):
-                raise fail(NAME_BATCH, f"row {i} ({k} pads): its first real token has position id {k}, the "
-                                       "column number. Positions count real tokens only, 0 for the first "
-                                       "one: position_ids = attention_mask.cumsum(-1) - 1 (pads clamped to 0)")
-            raise fail(NAME_BATCH, f"row {i}: the position ids of its {L} real tokens should be 0..{L - 1}, "
-                                   f"got {got_pos[:10]}...")
-        if k and (int(pos[i, :k].min()) < 0 or int(pos[i, :k].max()) >= ctx):
-            raise fail(NAME_BATCH, f"row {i}: pad positions {pos[i, :k].tolist()} are not valid indices into the "
-                                   f"position embedding (0..{ctx - 1}); clamp them, e.g. to 0")
+            raise fail(NAME_BATCH, f"{B} prompts, the longest {T} tokens: {n} must have shape [{B}, "
+                                   f"{T}], got {list(x.shape)} (pad every row to the longest prompt)")
+    for i, real in enumerate(rows):
+        row = _Row(*(t[i] for t in tensors), real, T, pad, ctx, no_pad_token)
+        for broken, message in _ROW_RULES:
+            if broken(row):
+                raise fail(NAME_BATCH, message.format(**row.fmt(i)))
 
 
 def check_make_batch(make_batch) -> None:
