@@ -106,7 +106,7 @@ def test_rejects_kv_cache_bytes(impl, needles):
 
 
 @pytest.mark.parametrize("impl, needles", [
-    (rounds_up, ["rounded the batch up"]),
+    (rounds_up, ["rounded the batch up", "round down"]),
     (strict_fit, ["exactly", "does fit"]),
     (float_batch, ["return a python int"]),
 ])

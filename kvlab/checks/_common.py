@@ -19,8 +19,8 @@ GRADER_TEXTS = [
     "Now when the king heard these words, he rent his clothes, and",
     "Blessed",
     "For the wages of sin is death; but the gift",
-    "And it came to pass after these things, that the men of the city gathered together at the gate "
-    "and said unto him, Where are they which came in to thee this night?",
+    "And it came to pass after these things, that the men of the city gathered together at the "
+    "gate and said unto him, Where are they which came in to thee this night?",
 ]
 
 
@@ -85,9 +85,10 @@ def expect_value_error(check: str, what: str, fn, *args) -> None:
     except NotImplementedError:
         raise
     except Exception as e:  # noqa: BLE001
-        raise fail(check, f"{what}: the contract asks for a ValueError naming the problem; you raised "
-                          f"{type(e).__name__}: {e}") from None
-    raise fail(check, f"{what} must raise ValueError (the contract), but your function returned normally")
+        raise fail(check, f"{what}: the contract asks for a ValueError naming the problem; you "
+                          f"raised {type(e).__name__}: {e}") from None
+    raise fail(check, f"{what} must raise ValueError (the contract), but your function returned "
+                      "normally")
 
 
 def check_generated_ids(check: str, out, prompt: torch.Tensor, before: torch.Tensor, n: int) -> None:
@@ -106,11 +107,13 @@ def check_generated_ids(check: str, out, prompt: torch.Tensor, before: torch.Ten
     if L != T + n:
         head = f"prompt of {T} tokens, max_new_tokens={n}: expected {T + n} tokens, got {L}"
         if n == 0:
-            raise fail(check, head + ": max_new_tokens=0 asks for no new token, return the prompt as it is")
+            raise fail(check, head + ": max_new_tokens=0 asks for no new token, return the prompt "
+                                     "as it is")
         if L == n:
             raise fail(check, head + ": only the new ones. Return the prompt followed by them")
         if L in (T + n - 1, T + n + 1):
-            raise fail(check, f"{head} (you generated {L - T} new tokens: an off-by-one in your loop)")
+            raise fail(check, f"{head} (you generated {L - T} new tokens: an off-by-one in your "
+                              "loop)")
         raise fail(check, head)
     if not torch.equal(out[:, :T].cpu(), prompt):
         raise fail(check, "the result must start with the prompt, unchanged")
@@ -121,9 +124,10 @@ def stopped_early(check: str, out, T: int, n: int, eos: int) -> None:
     ``n`` new tokens (the grader sets a grading-only eos id that the model really predicts)."""
     if isinstance(out, torch.Tensor) and out.dim() == 2 and T < out.shape[1] < T + n \
             and int(out[0, -1]) == eos:
-        raise fail(check, f"you stopped after {out.shape[1] - T} new tokens, at token {eos}, which this "
-                          f"model's config calls end-of-text (eos_token_id). The contract is exactly "
-                          f"max_new_tokens={n} new tokens: do not stop at end-of-text")
+        raise fail(check, f"you stopped after {out.shape[1] - T} new tokens, at token {eos}, "
+                          "which this model's config calls end-of-text (eos_token_id). The "
+                          f"contract is exactly max_new_tokens={n} new tokens: do not stop at "
+                          "end-of-text")
 
 
 # ------------------------------------------------------------------------- the model a learner gets
@@ -146,7 +150,8 @@ def model_changes(model, reference, state: dict) -> list[str]:
     changes = []
     p, r = next(model.parameters()), next(reference.parameters())
     if p.dtype != r.dtype:
-        changes.append(f"its parameters were cast from {r.dtype} to {p.dtype} (a .half()/.to(dtype))")
+        changes.append(f"its parameters were cast from {r.dtype} to {p.dtype} (a "
+                       ".half()/.to(dtype))")
     if p.device != r.device:
         changes.append(f"it was moved from {r.device} to {p.device}")
     if not changes:
@@ -205,8 +210,8 @@ class Recorder:
 
 def _refuse_generate(check):
     def generate(*args, **kwargs):
-        raise fail(check, "do not call model.generate: the exercise is to write the generation loop "
-                          "yourself (prefill, then one forward call per step)")
+        raise fail(check, "do not call model.generate: the exercise is to write the generation "
+                          "loop yourself (prefill, then one forward call per step)")
     return generate
 
 

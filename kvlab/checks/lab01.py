@@ -66,8 +66,8 @@ def diagnose_token(model, seq: torch.Tensor, pos: int) -> str:
     want = int(logits[-1].argmax())
     gap = float(logits[-1, want] - logits[-1, got])
     if gap < 1e-2:
-        return (f"its logit is only {gap:.1e} below the top one: a precision difference. Did you run the "
-                "model in another dtype (half precision, autocast) or change its weights?")
+        return (f"its logit is only {gap:.1e} below the top one: a precision difference. Did you "
+                "run the model in another dtype (half precision, autocast) or change its weights?")
     explanations = [
         (prefix.shape[1] >= 2 and int(logits[-2].argmax()) == got,
          "it is the argmax of the SECOND-TO-LAST position's logits: the next token comes from "
@@ -76,16 +76,17 @@ def diagnose_token(model, seq: torch.Tensor, pos: int) -> str:
          "it is the argmax of the FIRST position's logits: the next token comes from "
          "logits[:, -1, :], the last position"),
         (int(model(prefix[:, -1:]).logits[0, -1].argmax()) == got,
-         "it is what the model predicts when it sees ONLY THE LAST TOKEN: without a cache the model "
-         "must be fed the whole sequence so far (prompt + generated tokens) at every step"),
+         "it is what the model predicts when it sees ONLY THE LAST TOKEN: without a cache the "
+         "model must be fed the whole sequence so far (prompt + generated tokens) at every step"),
     ]
     for holds, why in explanations:
         if holds:
             return why
     rank = int((logits[-1] > logits[-1, got]).sum())
     prob = float(torch.softmax(logits[-1], -1)[got])
-    return (f"the model's top choice there is token {want}, but you chose token {got} (rank {rank}, "
-            f"probability {prob:.3f}): greedy decoding takes the argmax, it does not sample")
+    return (f"the model's top choice there is token {want}, but you chose token {got} (rank "
+            f"{rank}, probability {prob:.3f}): greedy decoding takes the argmax, it does not "
+            "sample")
 
 
 def no_cache_rule(check: str, calls, T: int) -> None:
@@ -93,20 +94,23 @@ def no_cache_rule(check: str, calls, T: int) -> None:
     for k, c in enumerate(calls, start=1):
         fed = None if c.ids is None else c.ids.shape[-1]
         if c.cache is not None or c.use_cache is True:
-            raise fail(check, f"forward call #{k} passed a cache (cache=..., or use_cache=True): lab 1 "
-                              "forbids a cache. Feed the whole sequence so far with use_cache=False")
+            raise fail(check, f"forward call #{k} passed a cache (cache=..., or use_cache=True): "
+                              "lab 1 forbids a cache. Feed the whole sequence so far with "
+                              "use_cache=False")
         if fed is not None and fed < T + k - 1:
-            raise fail(check, f"forward call #{k} fed {fed} token(s), the sequence so far has {T + k - 1}: "
-                              "the model sees only the last token(s). Without a cache it must be fed "
-                              "the whole sequence (prompt + generated tokens) at every step")
+            raise fail(check, f"forward call #{k} fed {fed} token(s), the sequence so far has "
+                              f"{T + k - 1}: the model sees only the last token(s). Without a "
+                              "cache it must be fed the whole sequence (prompt + generated "
+                              "tokens) at every step")
 
 
 def compare_tokens(check: str, model, out, want, T: int, n: int) -> None:
     i = first_difference(out[0], want[0])
     if i >= 0:
         why = diagnose_token(model, out, i)
-        raise fail(check, f"prompt of {T} tokens, max_new_tokens={n}: new token #{i - T + 1} (position "
-                          f"{i}) is {int(out[0, i])}, the reference greedy token is {int(want[0, i])}: {why}")
+        raise fail(check, f"prompt of {T} tokens, max_new_tokens={n}: new token #{i - T + 1} "
+                          f"(position {i}) is {int(out[0, i])}, the reference greedy token is "
+                          f"{int(want[0, i])}: {why}")
 
 
 def check_naive_generate(naive_generate) -> None:
@@ -129,8 +133,9 @@ def check_naive_generate(naive_generate) -> None:
         compare_tokens(NAME, model, out.cpu(), want, T, n)
 
     count = run_cases(single_prompt_cases(model, tok), grade)
-    passed(NAME, f"{count} cases (1-token prompt, 0 new tokens, a full context, eos inside the prompt, "
-                 "an eos id that comes up) match model.generate(do_sample=False, use_cache=False)")
+    passed(NAME, f"{count} cases (1-token prompt, 0 new tokens, a full context, eos inside the "
+                 "prompt, an eos id that comes up) match model.generate(do_sample=False, "
+                 "use_cache=False)")
 
 
 # --------------------------------------------------------------------------------------- sampling
@@ -161,10 +166,11 @@ def hf_sample(model, prompt, n, seed, temperature, top_k):
 
 
 _SAMPLING_MISTAKES = [
-    (dict(scale="multiply"), "you MULTIPLY the logits by the temperature; divide them (logits / T): a "
-                             "low temperature must sharpen the distribution"),
+    (dict(scale="multiply"), "you MULTIPLY the logits by the temperature; divide them (logits / "
+                             "T): a low temperature must sharpen the distribution"),
     (dict(scale="none"), "the temperature is ignored: divide the logits by it before the softmax"),
-    (dict(top_k=None), "top_k is ignored: keep only the top_k largest logits (set the others to -inf)"),
+    (dict(top_k=None), "top_k is ignored: keep only the top_k largest logits (set the others to "
+                       "-inf)"),
 ]
 
 
@@ -177,9 +183,9 @@ def _diagnose_sampling(model, out, case) -> str:
         args = dict(temperature=t, top_k=k, scale="divide") | change
         if torch.equal(simulate_sampling(model, prompt, n, seed, **args), out):
             return message
-    return ("they differ from transformers' sampler under the same seed: one torch.multinomial(probs, 1) "
-            "per step on the global generator, probs = softmax(top-k-filtered logits / temperature), "
-            "and no other random draw")
+    return ("they differ from transformers' sampler under the same seed: one "
+            "torch.multinomial(probs, 1) per step on the global generator, probs = "
+            "softmax(top-k-filtered logits / temperature), and no other random draw")
 
 
 def check_sample_generate(sample_generate) -> None:

@@ -39,23 +39,24 @@ _RULES = [
      "passed use_cache=False: that is the naive generator of lab 1, running without a cache. Pass "
      "use_cache=True and a cache object"),
     ("any", lambda c, k, T, n, pos: k > max(n, 1),
-     "max_new_tokens={n} takes exactly {n} forward call(s) (the prefill's last logits give the first "
-     "new token, then one call per further token): an off-by-one in your loop, or a forward whose "
-     "logits you never use"),
+     "max_new_tokens={n} takes exactly {n} forward call(s) (the prefill's last logits give the "
+     "first new token, then one call per further token): an off-by-one in your loop, or a forward "
+     "whose logits you never use"),
     ("prefill", lambda c, k, T, n, pos: bool(c.cache_len),
-     "the first call got a cache that already holds {c.cache_len} tokens. Start every generation from "
-     "a new, empty cache; a cache left over from another prompt makes the model attend to its keys"),
+     "the first call got a cache that already holds {c.cache_len} tokens. Start every generation "
+     "from a new, empty cache; a cache left over from another prompt makes the model attend to "
+     "its keys"),
     ("prefill", lambda c, k, T, n, pos: c.ids.shape[-1] == 1 and T > 1,
-     "fed 1 token to an empty cache: there is no prefill. The model then conditions on the last prompt "
-     "token only (the bug of article A). Call the model once on the WHOLE prompt first"),
+     "fed 1 token to an empty cache: there is no prefill. The model then conditions on the last "
+     "prompt token only (the bug of article A). Call the model once on the WHOLE prompt first"),
     ("prefill", lambda c, k, T, n, pos: c.ids.shape[-1] != T,
      "fed {fed} tokens; the prefill must process the whole prompt, all {T}, in one call"),
     ("decode", lambda c, k, T, n, pos: c.cache is None,
      "passed no cache (fed {fed} tokens): this generator recomputes the sequence like the "
      "naive one. Keep the cache from the prefill and pass it back with cache=... at every step"),
     ("decode", lambda c, k, T, n, pos: c.cache_len == 0,
-     "got an EMPTY cache: you create a fresh cache at every step, so the new token sees nothing before "
-     "it. Create the cache once, before the loop, and pass the same object at every step"),
+     "got an EMPTY cache: you create a fresh cache at every step, so the new token sees nothing "
+     "before it. Create the cache once, before the loop, and pass the same object at every step"),
     ("decode", lambda c, k, T, n, pos: c.ids.shape[-1] > 1 and c.cache_len >= pos,
      "fed {fed} tokens with a cache that already holds {c.cache_len}: you feed the whole "
      "sequence back in alongside the cache (the bug of article B). Feed only the newest token"),
@@ -63,8 +64,9 @@ _RULES = [
      "fed {fed} tokens; after the prefill every call feeds exactly one token, the one "
      "generated last (shape [1, 1])"),
     ("decode", lambda c, k, T, n, pos: c.cache_len != pos,
-     "fed the token at position {pos} with a cache holding {c.cache_len} tokens; it must hold exactly "
-     "the {pos} tokens before it. Pass the same cache through the loop; do not crop or copy it"),
+     "fed the token at position {pos} with a cache holding {c.cache_len} tokens; it must hold "
+     "exactly the {pos} tokens before it. Pass the same cache through the loop; do not crop or "
+     "copy it"),
 ]
 
 
@@ -98,14 +100,15 @@ def check_cached_generate(cached_generate) -> None:
             stopped_early(NAME, out, T, n, case.eos)
         check_generated_ids(NAME, out, case.prompt, before, n)
         if len(guard.calls) < n:
-            raise fail(NAME, f"prompt of {T} tokens, max_new_tokens={n}: that takes {n} forward call(s), "
-                             f"you made {len(guard.calls)}; where do the other tokens come from?")
+            raise fail(NAME, f"prompt of {T} tokens, max_new_tokens={n}: that takes {n} forward "
+                             f"call(s), you made {len(guard.calls)}; where do the other tokens "
+                             "come from?")
         compare_tokens(NAME, model, out.cpu(), want, T, n)
 
     count = run_cases(single_prompt_cases(model, tok), grade)
-    passed(NAME, f"{count} cases (1-token prompt, 0 new tokens, a full context, eos inside the prompt, "
-                 "an eos id that comes up) match model.generate(do_sample=False), with one prefill and "
-                 "then one token per forward call on a growing cache")
+    passed(NAME, f"{count} cases (1-token prompt, 0 new tokens, a full context, eos inside the "
+                 "prompt, an eos id that comes up) match model.generate(do_sample=False), with "
+                 "one prefill and then one token per forward call on a growing cache")
 
 
 # ------------------------------------------------------------------------------ stop at end-of-text
@@ -152,21 +155,23 @@ def check_generate_until(generate_until) -> None:
             raise fail(NAME_UNTIL, f"{what}: you went on after the end-of-text token (new token "
                                    f"#{L - prompt.shape[1]}): stop right after it, and keep it")
         if got.shape[1] == L - 1 and torch.equal(got, want[:, :-1]):
-            raise fail(NAME_UNTIL, f"{what}: you dropped the end-of-text token: keep it as the last one")
+            raise fail(NAME_UNTIL, f"{what}: you dropped the end-of-text token: keep it as the "
+                                   "last one")
         if got.shape[1] < L and int(eos) in prompt[0].tolist():
-            raise fail(NAME_UNTIL, f"{what}: you stopped early; the end-of-text id is in the PROMPT: only "
-                                   "a generated end-of-text ends the text")
+            raise fail(NAME_UNTIL, f"{what}: you stopped early; the end-of-text id is in the "
+                                   "PROMPT: only a generated end-of-text ends the text")
         if not torch.equal(got, want):
             raise fail(NAME_UNTIL, f"{what}: expected {want[0, prompt.shape[1]:].tolist()}, got "
                                    f"{got[0, prompt.shape[1]:].tolist()}")
         if len(guard.calls) > max(L - prompt.shape[1], 0):
             raise fail(NAME_UNTIL, f"{what}: {len(guard.calls)} forward calls for "
-                                   f"{L - prompt.shape[1]} new tokens: after the end-of-text token, or "
-                                   "for the last token, no further forward call is needed")
+                                   f"{L - prompt.shape[1]} new tokens: after the end-of-text "
+                                   "token, or for the last token, no further forward call is "
+                                   "needed")
 
     count = run_cases(_until_cases(model, tok), grade)
     with guard.case() as mine:
         expect_value_error(NAME_UNTIL, "max_new_tokens=-1", generate_until, mine,
                            fresh_prompts(tok)[0], -1, 0)
-    passed(NAME_UNTIL, f"{count} cases (end-of-text first, later, never, inside the prompt, 0 tokens) "
-                       "equal transformers' generate with that eos_token_id")
+    passed(NAME_UNTIL, f"{count} cases (end-of-text first, later, never, inside the prompt, 0 "
+                       "tokens) equal transformers' generate with that eos_token_id")

@@ -64,21 +64,22 @@ class _Update:
 # The shape/dtype rules of one update's answer: (test, message), first failing test names the mistake.
 _UPDATE_SHAPE = [
     (lambda u: u.keys.dim() != 4 or u.values.shape != u.keys.shape,
-     "keys/values must be [batch, heads, seq, head_dim]; got {ks} and {vs}. Keep the batch dimension"),
+     "keys/values must be [batch, heads, seq, head_dim]; got {ks} and {vs}. Keep the batch "
+     "dimension"),
     (lambda u: u.keys.shape[0] != u.batch,
      "the returned keys have batch size {b}, the cache was made for batch_size={batch}: keep the "
      "batch dimension (no squeeze(0))"),
     (lambda u: u.keys.shape[2] == u.k.shape[2] and u.written > 0,
-     "update returned only the {T} new token(s); it must return every key so far ({S}): the past plus "
-     "the new ones"),
+     "update returned only the {T} new token(s); it must return every key so far ({S}): the past "
+     "plus the new ones"),
     (lambda u: u.keys.shape[2] == u.max_len and u.max_len != u.written + u.k.shape[2],
-     "update returned the whole buffer ({max_len} positions); return only the filled part, positions "
-     "0 .. {last}"),
+     "update returned the whole buffer ({max_len} positions); return only the filled part, "
+     "positions 0 .. {last}"),
     (lambda u: u.keys.shape[2] != u.written + u.k.shape[2],
      "expected {S} keys (cached + new), got {got_S}"),
     (lambda u: u.keys.dtype != u.k.dtype,
-     "the cache was made with dtype={dt} but returned {got_dt}: allocate the buffers with the dtype "
-     "argument"),
+     "the cache was made with dtype={dt} but returned {got_dt}: allocate the buffers with the "
+     "dtype argument"),
     (lambda u: torch.equal(u.keys, u.want_v) and not torch.equal(u.keys, u.want_k),
      "update returned the values where the keys belong (swapped)"),
 ]
@@ -87,8 +88,8 @@ _UPDATE_SHAPE = [
 _CONTENT = [
     (lambda u, got, want, new: u.batch > 1 and torch.equal(got[0], want[0])
      and torch.equal(got[1], want[0]),
-     "every batch row holds row 0's {what}: keep the batch dimension in the buffers ([batch, heads, "
-     "max_len, head_dim]), do not squeeze or index it away"),
+     "every batch row holds row 0's {what}: keep the batch dimension in the buffers ([batch, "
+     "heads, max_len, head_dim]), do not squeeze or index it away"),
     (lambda u, got, want, new: bool(_find(got, new)) and u.written not in _find(got, new),
      "the new {what} were written at position {at}, but they belong at the write offset {written} "
      "(= seq_len before this pass): write positions seq_len .. seq_len+T-1"),
@@ -97,8 +98,8 @@ _CONTENT = [
      "the new {what} are right but the earlier ones changed: something overwrote the past (wrong "
      "offset in an earlier pass?)"),
     (lambda u, got, want, new: not torch.equal(got[:, :, :u.written], want[:, :, :u.written]),
-     "the cached {what} of earlier passes are wrong; layers must not share storage, and nothing may "
-     "overwrite the past"),
+     "the cached {what} of earlier passes are wrong; layers must not share storage, and nothing "
+     "may overwrite the past"),
     (lambda u, got, want, new: True,
      "the returned {what} are not the ones written (expected the concatenation of every update of "
      "this layer, in order)"),
@@ -107,12 +108,12 @@ _CONTENT = [
 # seq_len after a pass: (test(n, written, T, L), message)
 _SEQ_LEN = [
     (lambda n, w, T, L: n == w,
-     "after forward pass {p} seq_len is still {n}: it never advances, so the model would give every new "
-     "token the positions 0.. again (position embeddings restarting at 0). Advance it by T after the "
-     "LAST layer's update"),
+     "after forward pass {p} seq_len is still {n}: it never advances, so the model would give "
+     "every new token the positions 0.. again (position embeddings restarting at 0). Advance it "
+     "by T after the LAST layer's update"),
     (lambda n, w, T, L: n == w + L * T,
-     "after forward pass {p} seq_len is {n}, expected {want}: it advanced once per layer; advance it "
-     "once per pass, after the last layer"),
+     "after forward pass {p} seq_len is {n}, expected {want}: it advanced once per layer; advance "
+     "it once per pass, after the last layer"),
     (lambda n, w, T, L: n != w + T,
      "after forward pass {p} ({T} new tokens after {w}) seq_len should be {want}, got {n}"),
 ]
@@ -160,9 +161,10 @@ def _run_cache(KVCache, batch, steps, max_len, gen):
             want_k, want_v = torch.cat([past[layer][0], k], 2), torch.cat([past[layer][1], v], 2)
             _grade_update(_Update(where, keys, values, k, v, want_k, want_v, written, batch, max_len))
             if ptrs[layer] is not None and keys.data_ptr() != ptrs[layer]:
-                raise fail(NAME_CACHE, f"{where}: the returned keys are a new tensor at every pass; "
-                                       "preallocate one buffer of max_len positions in __init__, write "
-                                       "into it in place and return a view, no torch.cat")
+                raise fail(NAME_CACHE, f"{where}: the returned keys are a new tensor at every "
+                                       "pass; preallocate one buffer of max_len positions in "
+                                       "__init__, write into it in place and return a view, no "
+                                       "torch.cat")
             ptrs[layer], past[layer] = keys.data_ptr(), [want_k, want_v]
         n = _seq_len(cache)
         fmt = dict(p=step + 1, n=n, want=written + T, T=T, w=written)
@@ -184,9 +186,9 @@ def _run_or_explain(KVCache, steps, max_len, gen):
             _run_cache(KVCache, 1, steps, max_len, torch.Generator().manual_seed(1))
         except (GraderFailure, Exception):  # noqa: BLE001
             raise e from None
-        raise fail(NAME_CACHE, f"with batch_size=2 your cache raised {e.__cause__!r}. It works with "
-                               "batch_size=1: keep the batch dimension, buffers [batch, heads, max_len, "
-                               "head_dim], and write k as a whole (no squeeze(0) or k[0])") from e
+        raise fail(NAME_CACHE, f"with batch_size=2 your cache raised {e.__cause__!r}. It works "
+                               "with batch_size=1: keep the batch dimension, buffers [batch, "
+                               "heads, max_len, head_dim], and write k as a whole (no squeeze(0) or k[0])") from e
 
 
 def _check_reset(cache, shape, gen) -> None:
@@ -194,16 +196,16 @@ def _check_reset(cache, shape, gen) -> None:
     L, B, H, D, dt = shape
     learner_call(NAME_CACHE, "cache.reset()", cache.reset)
     if _seq_len(cache) != 0:
-        raise fail(NAME_CACHE, f"after reset() seq_len is {_seq_len(cache)}, not 0: reset() must forget "
-                               "every token (otherwise the next prompt attends to the previous "
-                               "prompt's keys and gets shifted positions)")
+        raise fail(NAME_CACHE, f"after reset() seq_len is {_seq_len(cache)}, not 0: reset() must "
+                               "forget every token (otherwise the next prompt attends to the "
+                               "previous prompt's keys and gets shifted positions)")
     for layer in range(L):
         k = torch.randn(B, H, 2, D, dtype=dt, generator=gen)
         keys, values = _update_once(cache, layer, k, k + 1, f"after reset(), layer {layer}")
         if keys.shape[2] != 2 or not torch.equal(keys, k) or not torch.equal(values, k + 1):
             raise fail(NAME_CACHE, f"after reset(), the first update of layer {layer} returned "
-                                   f"{keys.shape[2]} keys that are not just the 2 new ones: reset() "
-                                   "must empty the cache")
+                                   f"{keys.shape[2]} keys that are not just the 2 new ones: "
+                                   "reset() must empty the cache")
     if _seq_len(cache) != 2:
         raise fail(NAME_CACHE, f"after reset() and one pass of 2 tokens, seq_len should be 2, got "
                                f"{_seq_len(cache)}")
@@ -222,8 +224,9 @@ def _check_edges(KVCache) -> None:
     for T in (4, 2):
         for layer in range(2):
             ones = torch.ones(1, 2, T, 4)
-            learner_call(NAME_CACHE, f"filling a max_len=6 cache EXACTLY (4 tokens, then 2): update "
-                                     f"of {T} tokens (T tokens fit when seq_len + T <= max_len)",
+            learner_call(NAME_CACHE, "filling a max_len=6 cache EXACTLY (4 tokens, then 2): "
+                                     f"update of {T} tokens (T tokens fit when seq_len + T <= "
+                                     "max_len)",
                          c.update, layer, ones, ones.clone())
     meta = _make_cache(KVCache, 1, 1, 2, 4, 8, torch.float16, "meta")
     ones = torch.ones(1, 2, 3, 4, dtype=torch.float16, device="meta")
@@ -245,13 +248,13 @@ def check_kv_cache(KVCache) -> None:
     L, B, H, D, dt = shape
     room = max_len - written
     k = torch.randn(B, H, room + 1, D, dtype=dt, generator=gen)
-    expect_value_error(NAME_CACHE, f"writing {room + 1} tokens when only {room} of max_len={max_len} "
-                                   "positions are free", cache.update, 0, k, k.clone())
+    expect_value_error(NAME_CACHE, f"writing {room + 1} tokens when only {room} of "
+                                   f"max_len={max_len} positions are free", cache.update, 0, k, k.clone())
     _check_reset(cache, shape, gen)
     _check_edges(KVCache)
-    passed(NAME_CACHE, f"batch 2, {L} layers, passes of {steps} tokens: every update returns exactly "
-                       "what was written, in place; seq_len, overflow (ValueError), reset(), an exact "
-                       "fill, fp16 on device='meta' behave")
+    passed(NAME_CACHE, f"batch 2, {L} layers, passes of {steps} tokens: every update returns "
+                       "exactly what was written, in place; seq_len, overflow (ValueError), "
+                       "reset(), an exact fill, fp16 on device='meta' behave")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -273,17 +276,23 @@ def reference_attention(q, k, v, past_len, scale="sqrt", mask="causal"):
 
 
 _MISTAKES = [
-    (dict(mask="none"), "there is no causal mask: a new token at position past_len+i may only attend to keys "
-                        "0 .. past_len+i; mask the scores of later keys with -inf before the softmax"),
-    (dict(mask="topleft"), "the causal mask ignores past_len: query i is the token at position past_len+i, so it "
-                           "sees keys 0 .. past_len+i, not 0 .. i (torch.tril on a [T, S] matrix, or "
-                           "is_causal=True, aligns the mask to the wrong corner when past_len > 0)"),
-    (dict(mask="strict"), "the mask hides each query's own key: key j is allowed when j <= past_len+i (<=, not <)"),
-    (dict(scale="D"), "wrong softmax scale: the scores are divided by D; divide by sqrt(D) (head_dim ** 0.5)"),
+    (dict(mask="none"), "there is no causal mask: a new token at position past_len+i may only "
+                        "attend to keys 0 .. past_len+i; mask the scores of later keys with -inf "
+                        "before the softmax"),
+    (dict(mask="topleft"), "the causal mask ignores past_len: query i is the token at position "
+                           "past_len+i, so it sees keys 0 .. past_len+i, not 0 .. i (torch.tril "
+                           "on a [T, S] matrix, or is_causal=True, aligns the mask to the wrong "
+                           "corner when past_len > 0)"),
+    (dict(mask="strict"), "the mask hides each query's own key: key j is allowed when j <= "
+                          "past_len+i (<=, not <)"),
+    (dict(scale="D"), "wrong softmax scale: the scores are divided by D; divide by sqrt(D) "
+                      "(head_dim ** 0.5)"),
     (dict(scale="none"), "the scores are not scaled: divide q @ k^T by sqrt(D) before the softmax"),
-    (dict(scale="D", mask="none"), "no causal mask AND the scores are divided by D instead of sqrt(D)"),
+    (dict(scale="D", mask="none"), "no causal mask AND the scores are divided by D instead of "
+                                   "sqrt(D)"),
     (dict(scale="none", mask="none"), "no causal mask AND no 1/sqrt(D) scaling of the scores"),
-    (dict(scale="D", mask="topleft"), "wrong scale (1/D, use 1/sqrt(D)) AND the mask ignores past_len"),
+    (dict(scale="D", mask="topleft"), "wrong scale (1/D, use 1/sqrt(D)) AND the mask ignores "
+                                      "past_len"),
     (dict(scale="none", mask="topleft"), "no 1/sqrt(D) scaling AND the mask ignores past_len"),
 ]
 
@@ -298,35 +307,40 @@ def _attention_output(attention, q, k, v, past, where):
     out = learner_call(NAME_ATTENTION, f"{where}: attention(q, k, v, {past})" + (
         " (does it only work for batch 1?)" if q.shape[0] > 1 else ""), attention, q, k, v, past)
     if not all(torch.equal(a, b) for a, b in zip((q, k, v), saved)):
-        raise fail(NAME_ATTENTION, f"{where}: attention modified its inputs in place; compute new tensors")
+        raise fail(NAME_ATTENTION, f"{where}: attention modified its inputs in place; compute new "
+                                   "tensors")
     B, H, T, D = q.shape
     if not isinstance(out, torch.Tensor) or list(out.shape) != [B, H, T, D]:
         shape = list(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
         lost = isinstance(out, torch.Tensor) and (out.dim() != 4 or out.shape[0] != B)
         hint = " Keep the batch dimension (no squeeze / q[0])." if lost else ""
-        raise fail(NAME_ATTENTION, f"{where}: expected an output [B, H, T, D] = {[B, H, T, D]}, got "
-                                   f"{shape}.{hint}")
+        raise fail(NAME_ATTENTION, f"{where}: expected an output [B, H, T, D] = {[B, H, T, D]}, "
+                                   f"got {shape}.{hint}")
     if out.dtype != q.dtype:
-        raise fail(NAME_ATTENTION, f"{where}: output dtype {out.dtype}, expected the inputs' {q.dtype}")
+        raise fail(NAME_ATTENTION, f"{where}: output dtype {out.dtype}, expected the inputs' "
+                                   f"{q.dtype}")
     return out
 
 
 def _explain_attention(got, q, k, v, past, where) -> None:
     want = reference_attention(q, k, v, past)
     if torch.isnan(got).any():
-        raise fail(NAME_ATTENTION, f"{where}: the output has NaN: some query row has every key masked "
-                                   "(each query must at least see its own key, j <= past_len + i)")
+        raise fail(NAME_ATTENTION, f"{where}: the output has NaN: some query row has every key "
+                                   "masked (each query must at least see its own key, j <= "
+                                   "past_len + i)")
     err = (got - want).abs().max().item()
     if err <= 1e-5:
         return
     if q.shape[0] > 1 and torch.allclose(got[0], want[0], atol=1e-5):
-        raise fail(NAME_ATTENTION, f"{where}: batch row 0 is right but the other rows are not: it only "
-                                   "works for batch size 1; keep the batch dimension in every operation")
+        raise fail(NAME_ATTENTION, f"{where}: batch row 0 is right but the other rows are not: it "
+                                   "only works for batch size 1; keep the batch dimension in "
+                                   "every operation")
     for kwargs, message in _MISTAKES:
         if torch.allclose(got, reference_attention(q, k, v, past, **kwargs), atol=1e-5):
             raise fail(NAME_ATTENTION, f"{where}: {message}")
-    raise fail(NAME_ATTENTION, f"{where}: max abs error {err:.2e} against float64 attention (tolerance "
-                               "1e-5); expected softmax(q @ k^T / sqrt(D) + causal mask) @ v")
+    raise fail(NAME_ATTENTION, f"{where}: max abs error {err:.2e} against float64 attention "
+                               "(tolerance 1e-5); expected softmax(q @ k^T / sqrt(D) + causal "
+                               "mask) @ v")
 
 
 def check_attention(attention) -> None:
@@ -346,7 +360,8 @@ def check_attention(attention) -> None:
         if (out.double() - reference_attention(q, k, v, 1)).abs().max() > 3e-2:
             raise fail(NAME_ATTENTION, f"{dt} inputs: the output is far from float64 attention")
     passed(NAME_ATTENTION, f"{len(_ATTENTION_CASES)} shapes (prefill, decode, chunks after a past, "
-                           "batch > 1) match float64 attention within 1e-5; bf16/fp16 keep their dtype")
+                           "batch > 1) match float64 attention within 1e-5; bf16/fp16 keep their "
+                           "dtype")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -372,12 +387,13 @@ def _which_piece(hf, KVCache, attention, ids, n, want, detail, second: bool) -> 
     with_ref_attention = GPT2.from_hf(hf, attention_fn=sdpa_attention, cache_cls=KVCache)
     fresh = with_ref_attention.new_cache(ids.shape[0])
     if second and torch.equal(generate(with_ref_attention, ids, n, cache=fresh), want):
-        raise fail(NAME_GENERATE, f"{detail}. With a NEW cache object this prompt comes out right, so "
-                                  "the cache is not emptied between prompts: reset() must forget every "
-                                  "token and set seq_len back to 0 (generate calls it before each prompt)")
-    raise fail(NAME_GENERATE, f"{detail}. It goes wrong with your KVCache (the library's attention does "
-                              "not fix it): run check_kv_cache(KVCache); look at seq_len (the position "
-                              "of the new tokens) and at where update writes")
+        raise fail(NAME_GENERATE, f"{detail}. With a NEW cache object this prompt comes out "
+                                  "right, so the cache is not emptied between prompts: reset() "
+                                  "must forget every token and set seq_len back to 0 (generate "
+                                  "calls it before each prompt)")
+    raise fail(NAME_GENERATE, f"{detail}. It goes wrong with your KVCache (the library's "
+                              "attention does not fix it): run check_kv_cache(KVCache); look at "
+                              "seq_len (the position of the new tokens) and at where update writes")
 
 
 def check_generate_with_cache(KVCache, attention) -> None:
@@ -388,8 +404,8 @@ def check_generate_with_cache(KVCache, attention) -> None:
 
     hf, tok = grading_model()
     model = GPT2.from_hf(hf, attention_fn=attention, cache_cls=KVCache)
-    cache = learner_call(NAME_GENERATE, "KVCache(n_layer, 2, n_head, head_dim, n_positions, float32, "
-                                        "'cpu')", model.new_cache, batch_size=2)
+    cache = learner_call(NAME_GENERATE, "KVCache(n_layer, 2, n_head, head_dim, n_positions, "
+                                        "float32, 'cpu')", model.new_cache, batch_size=2)
     one = fresh_prompts(tok, lengths=[1])[-1]
     runs = [(_batch_prompts(tok, (0, 2), 9), 12, "first prompt batch", cache),
             (_batch_prompts(tok, (4, 5), 5), 10, "second prompt batch, same cache object", cache),
@@ -408,8 +424,9 @@ def check_generate_with_cache(KVCache, attention) -> None:
         detail = (f"{where}: row {row}, new token #{i - ids.shape[1] + 1} is {int(out[row, i])}, "
                   f"transformers' greedy token is {int(want[row, i])}")
         _which_piece(hf, KVCache, attention, ids, n, want, detail, second="second" in which)
-    passed(NAME_GENERATE, "GPT2 with your KVCache and attention generates transformers' greedy tokens "
-                          "exactly (batch 2, two prompts through one cache, a 1-token prompt)")
+    passed(NAME_GENERATE, "GPT2 with your KVCache and attention generates transformers' greedy "
+                          "tokens exactly (batch 2, two prompts through one cache, a 1-token "
+                          "prompt)")
 
 
 def check_cache_bytes_prediction(KVCache, predicted_bytes) -> None:
@@ -422,10 +439,13 @@ def check_cache_bytes_prediction(KVCache, predicted_bytes) -> None:
         raise fail(name, f"KVCache(12, 1, 12, 64, 1024, float32, 'meta') raised {type(e).__name__}: {e}") from e
     held = sum(t.numel() * t.element_size() for t in _tensors(cache))
     if not isinstance(predicted_bytes, int) or isinstance(predicted_bytes, bool):
-        raise fail(name, f"predict a whole number of bytes (an int), got {type(predicted_bytes).__name__}")
+        raise fail(name, "predict a whole number of bytes (an int), got "
+                         f"{type(predicted_bytes).__name__}")
     if predicted_bytes != held:
         ratio = predicted_bytes / held if held else float("inf")
-        raise fail(name, f"you predicted {predicted_bytes:,} bytes; your cache's buffers hold {held:,} "
-                         f"(your prediction is {ratio:.3g} times that): count keys AND values, every "
-                         "layer, max_len positions (it is preallocated), 4 bytes per float32")
-    passed(name, f"{held:,} bytes, exactly what the buffers of your KVCache hold at GPT-2 small's sizes")
+        raise fail(name, f"you predicted {predicted_bytes:,} bytes; your cache's buffers hold "
+                         f"{held:,} (your prediction is {ratio:.3g} times that): count keys AND "
+                         "values, every layer, max_len positions (it is preallocated), 4 bytes "
+                         "per float32")
+    passed(name, f"{held:,} bytes, exactly what the buffers of your KVCache hold at GPT-2 small's "
+                 "sizes")

@@ -49,7 +49,8 @@ def _call_quantize(quantize, x, bits, dim):
     if not torch.equal(xin, x):
         raise fail(NAME, "quantize modified its input x in place; compute new tensors instead")
     if not isinstance(out, (tuple, list)) or len(out) != 3:
-        raise fail(NAME, f"quantize must return a tuple (q, scale, zero_point); got {type(out).__name__}")
+        raise fail(NAME, "quantize must return a tuple (q, scale, zero_point); got "
+                         f"{type(out).__name__}")
     q, scale, zp = out
     for name, t in (("q", q), ("scale", scale), ("zero_point", zp)):
         if not isinstance(t, torch.Tensor):
@@ -85,9 +86,9 @@ def _close(a, b):
 # Codes and statistics: (test, message). The first test that holds names the mistake.
 _CODES = [
     (lambda c: c.q.dtype.is_floating_point,
-     "q is {qdt}: you store the rounded codes as floats, which is article A's mistake (as many bytes "
-     "as the original, no memory saved). Store integer codes: torch.round(...).clamp(0, 2**bits - "
-     "1).to(torch.uint8)"),
+     "q is {qdt}: you store the rounded codes as floats, which is article A's mistake (as many "
+     "bytes as the original, no memory saved). Store integer codes: torch.round(...).clamp(0, "
+     "2**bits - 1).to(torch.uint8)"),
     (lambda c: c.q.dtype != torch.uint8,
      "q is {qdt}; store codes as torch.uint8, one byte each (codes 0 .. 2**bits - 1 always fit)"),
     (lambda c: tuple(c.q.shape) != tuple(c.x.shape),
@@ -103,8 +104,8 @@ _CODES = [
     (lambda c: not (torch.isfinite(c.scale).all() and torch.isfinite(c.zp).all()),
      "scale or zero_point contains NaN or inf"),
     (lambda c: _close(c.scale.double(), (c.range()[1] - c.range()[0]) / 2 ** c.bits),
-     "scale is (max - min) / 2**bits. {bits} bits give 2**bits codes, 0 .. {levels}, so the range is "
-     "split into 2**bits - 1 = {levels} steps: scale = (max - min) / (2**bits - 1)"),
+     "scale is (max - min) / 2**bits. {bits} bits give 2**bits codes, 0 .. {levels}, so the range "
+     "is split into 2**bits - 1 = {levels} steps: scale = (max - min) / (2**bits - 1)"),
     (lambda c: _close(c.scale.double(), (c.x.double().max() - c.x.double().min()) / c.levels)
      and not _close(c.scale.double(), (c.range()[1] - c.range()[0]) / c.levels),
      "every slice has the same scale, the whole tensor's range: one scale for the whole tensor, "
@@ -144,12 +145,13 @@ def _check_round_trip(c: _Q, xhat, where) -> None:
         return
     worst = (err / step).max().item()
     if worst <= 1.0 + 1e-3 and ((xhat.double() - xd) / step).mean().item() < -0.25:
-        raise fail(NAME, f"{where}: reconstruction is off by up to {worst:.2f} of a step and lies below "
-                         "x on average: you truncate (floor, int(), or .to(torch.uint8) alone) instead "
-                         "of rounding to the nearest code. Use torch.round((x - min) / scale) first")
+        raise fail(NAME, f"{where}: reconstruction is off by up to {worst:.2f} of a step and lies "
+                         "below x on average: you truncate (floor, int(), or .to(torch.uint8) "
+                         "alone) instead of rounding to the nearest code. Use torch.round((x - "
+                         "min) / scale) first")
     raise fail(NAME, f"{where}: dequantize(quantize(x)) is off by up to {worst:.2f} steps; at most "
-                     "half a step is allowed. x_hat = q * scale + zero_point (zero_point = min), with "
-                     "q = round((x - min) / scale)")
+                     "half a step is allowed. x_hat = q * scale + zero_point (zero_point = min), "
+                     "with q = round((x - min) / scale)")
 
 
 def _check_one(quantize, dequantize, x: torch.Tensor, bits: int, dim) -> None:
@@ -179,19 +181,21 @@ def _check_constant(quantize, dequantize, bits: int) -> None:
         q, scale, zp = _call_quantize(quantize, xin, bits, dim)
         xhat = dequantize(q, scale, zp)
         if not (torch.isfinite(scale).all() and torch.isfinite(zp).all() and torch.isfinite(xhat).all()):
-            raise fail(NAME, f"{where}: NaN or inf on a constant slice. There max - min = 0, so scale = 0 "
-                             "and (x - min) / scale = 0/0. Replace a zero scale by any positive number, e.g. "
-                             "torch.where(scale > 0, scale, torch.ones_like(scale)): every code is then 0 and "
-                             "zero_point = min gives the constant back exactly")
+            raise fail(NAME, f"{where}: NaN or inf on a constant slice. There max - min = 0, so "
+                             "scale = 0 and (x - min) / scale = 0/0. Replace a zero scale by any "
+                             "positive number, e.g. torch.where(scale > 0, scale, "
+                             "torch.ones_like(scale)): every code is then 0 and zero_point = min "
+                             "gives the constant back exactly")
         if (scale <= 0).any():
-            raise fail(NAME, f"{where}: scale is 0 on a constant slice, so (x - min) / scale is 0/0 = NaN "
-                             "before the cast to uint8 (which hides it: casting NaN gives an arbitrary code, "
-                             "0 here, something else elsewhere). Replace a zero scale by any positive number, "
-                             "e.g. torch.where(scale > 0, scale, torch.ones_like(scale))")
+            raise fail(NAME, f"{where}: scale is 0 on a constant slice, so (x - min) / scale is "
+                             "0/0 = NaN before the cast to uint8 (which hides it: casting NaN "
+                             "gives an arbitrary code, 0 here, something else elsewhere). Replace "
+                             "a zero scale by any positive number, e.g. torch.where(scale > 0, "
+                             "scale, torch.ones_like(scale))")
         c = xin[idx]
         if not torch.allclose(xhat[idx].double(), c.double(), rtol=1e-6, atol=1e-6):
-            raise fail(NAME, f"{where}: a constant slice must come back exactly (it has no range to lose); "
-                             f"got errors up to {(xhat[idx] - c).abs().max().item():.3g}")
+            raise fail(NAME, f"{where}: a constant slice must come back exactly (it has no range "
+                             f"to lose); got errors up to {(xhat[idx] - c).abs().max().item():.3g}")
 
 
 def _check_dtypes(quantize, dequantize) -> None:
@@ -202,13 +206,14 @@ def _check_dtypes(quantize, dequantize) -> None:
         q, scale, zp = _call_quantize(quantize, x, 4, -1)
         for name, t in (("scale", scale), ("zero_point", zp)):
             if t.dtype != dt:
-                raise fail(NAME, f"x in {dt}: {name} is {t.dtype}; the statistics keep the input's dtype "
-                                 "(compute them from x itself, no .float())")
+                raise fail(NAME, f"x in {dt}: {name} is {t.dtype}; the statistics keep the "
+                                 "input's dtype (compute them from x itself, no .float())")
         xhat = learner_call(NAME, f"dequantize of a {dt} input", dequantize, q, scale, zp)
         err = (xhat.double() - x.double()).abs() / scale.double()
         if not xhat.dtype.is_floating_point or err.max() > 1.0:   # half a step + half-precision rounding
             raise fail(NAME, f"x in {dt}: dequantize returned {xhat.dtype} with errors up to "
-                             f"{err.max().item():.3g} steps (at most half a step, plus {dt} rounding)")
+                             f"{err.max().item():.3g} steps (at most half a step, plus {dt} "
+                             "rounding)")
 
 
 def check_quantize(quantize, dequantize) -> None:
@@ -224,8 +229,9 @@ def check_quantize(quantize, dequantize) -> None:
     for bad in (0, 1, 3, 5, 6, 7, 16):
         expect_value_error(NAME, f"bits={bad}: bits must be one of (2, 4, 8), so this", quantize, x.clone(), bad, -1)
     _check_dtypes(quantize, dequantize)
-    passed(NAME, f"{n} tensors/bits/dims round-trip within half a step (float64 reference), uint8 codes, "
-                 "constant slices exact, fp16/bf16 statistics keep their dtype, unsupported bits (odd and even) rejected")
+    passed(NAME, f"{n} tensors/bits/dims round-trip within half a step (float64 reference), uint8 "
+                 "codes, constant slices exact, fp16/bf16 statistics keep their dtype, "
+                 "unsupported bits (odd and even) rejected")
 
 
 # ------------------------------------------------------------------ an integer zero point
@@ -249,12 +255,14 @@ def _check_int_case(quantize_int, dequantize_int, x, bits, dim) -> None:
         raise fail(NAME_INT, f"{where}: return a tuple (q, scale, zero_point)")
     q, scale, z = out
     if z.dtype.is_floating_point:
-        raise fail(NAME_INT, f"{where}: zero_point is {z.dtype}: this scheme stores it as an INTEGER "
-                             "code, z = round(-min / scale), e.g. torch.uint8 or torch.int32")
+        raise fail(NAME_INT, f"{where}: zero_point is {z.dtype}: this scheme stores it as an "
+                             "INTEGER code, z = round(-min / scale), e.g. torch.uint8 or "
+                             "torch.int32")
     lo, hi, z_ref = _int_reference(x, bits, dim, scale)
     if not torch.allclose(scale.double(), (hi - lo) / (2 ** bits - 1), rtol=1e-4, atol=1e-7):
-        raise fail(NAME_INT, f"{where}: scale should be (max - min) / (2**bits - 1) over a range that "
-                             "INCLUDES 0 (min clamped to <= 0, max to >= 0), so that 0 is a code")
+        raise fail(NAME_INT, f"{where}: scale should be (max - min) / (2**bits - 1) over a range "
+                             "that INCLUDES 0 (min clamped to <= 0, max to >= 0), so that 0 is a "
+                             "code")
     if not torch.equal(z.long(), z_ref.long()):
         raise fail(NAME_INT, f"{where}: zero_point should be round(-min / scale), clamped to "
                              f"[0, {2 ** bits - 1}]")
@@ -262,8 +270,8 @@ def _check_int_case(quantize_int, dequantize_int, x, bits, dim) -> None:
                         q, scale, z)
     err = (xhat.double() - x.double()).abs()
     if (err > scale.double() / 2 * (1 + 1e-4) + 1e-6).any():
-        raise fail(NAME_INT, f"{where}: the round trip is off by up to {(err / scale).max():.3g} steps "
-                             "(at most half a step): x_hat = (q - zero_point) * scale, with "
+        raise fail(NAME_INT, f"{where}: the round trip is off by up to {(err / scale).max():.3g} "
+                             "steps (at most half a step): x_hat = (q - zero_point) * scale, with "
                              "q = clamp(round(x / scale) + zero_point, 0, 2**bits - 1)")
     zeros = learner_call(NAME_INT, "dequantize_int of an exact 0", dequantize_int,
                          z.to(q.dtype).expand_as(scale).clone(), scale, z)
@@ -282,5 +290,5 @@ def check_quantize_int(quantize_int, dequantize_int) -> None:
         _check_int_case(quantize_int, dequantize_int, *case)
     expect_value_error(NAME_INT, "bits=3: bits must be one of (2, 4, 8), so this", quantize_int,
                        x.clone(), 3, -1)
-    passed(NAME_INT, f"{len(cases)} tensors/bits/dims: integer zero points, 0.0 exact, within half a "
-                     "step, also on all-positive and all-negative slices")
+    passed(NAME_INT, f"{len(cases)} tensors/bits/dims: integer zero points, 0.0 exact, within "
+                     "half a step, also on all-positive and all-negative slices")

@@ -50,26 +50,28 @@ def _as_long(x, what: str, check: str) -> torch.Tensor:
 _ROW_RULES = [
     (lambda r: r.ids[r.k:].tolist() != r.real and r.k and r.ids[:r.L].tolist() == r.real,
      "row {i} ({L} tokens, {k} pads) has its tokens FIRST and the pads after them: that is right "
-     "padding. Pad on the LEFT, so that every row's last real token is in the last column, where the "
-     "next token is read (tokenizer(..., padding_side='left') or build the rows yourself)"),
+     "padding. Pad on the LEFT, so that every row's last real token is in the last column, where "
+     "the next token is read (tokenizer(..., padding_side='left') or build the rows yourself)"),
     (lambda r: r.ids[r.k:].tolist() != r.real,
-     "row {i}: expected the prompt's {L} tokens {head}... at the right end of the row, got {got}..."),
+     "row {i}: expected the prompt's {L} tokens {head}... at the right end of the row, got "
+     "{got}..."),
     (lambda r: r.k and r.ids[:r.k].tolist() != [r.pad] * r.k and r.no_pad,
-     "the tokenizer has no pad token; row {i}'s pads are {pads}, expected the eos id {pad}: fall back "
-     "to tokenizer.eos_token_id"),
+     "the tokenizer has no pad token; row {i}'s pads are {pads}, expected the eos id {pad}: fall "
+     "back to tokenizer.eos_token_id"),
     (lambda r: r.k and r.ids[:r.k].tolist() != [r.pad] * r.k,
      "row {i}'s pads are {pads}; pad with tokenizer.pad_token_id ({pad})"),
     (lambda r: r.k and r.mask.tolist() == [1] * r.T,
      "row {i} has {k} pads but its attention_mask is all ones: the mask must be 0 on pads (so no "
      "real token attends to them) and 1 on real tokens"),
     (lambda r: r.pad in r.real and r.mask[r.k:].tolist() != [1] * r.L,
-     "row {i}'s prompt contains the pad id {pad} as a REAL token, and your mask hides it: build the "
-     "mask from the prompt lengths, not from input_ids != pad_id"),
+     "row {i}'s prompt contains the pad id {pad} as a REAL token, and your mask hides it: build "
+     "the mask from the prompt lengths, not from input_ids != pad_id"),
     (lambda r: r.mask.tolist() != [0] * r.k + [1] * r.L,
      "row {i}: attention_mask should be {k} zeros then {L} ones, got {mask}"),
     (lambda r: r.k and r.pos[r.k:].tolist() == list(range(r.k, r.T)),
      "row {i} ({k} pads): its first real token has position id {k}, the column number. Positions "
-     "count real tokens only, 0 for the first one: attention_mask.cumsum(-1) - 1 (pads clamped to 0)"),
+     "count real tokens only, 0 for the first one: attention_mask.cumsum(-1) - 1 (pads clamped to "
+     "0)"),
     (lambda r: r.pos[r.k:].tolist() != list(range(r.L)),
      "row {i}: the position ids of its {L} real tokens should be 0..{L1}, got {gpos}..."),
     (lambda r: r.k and (int(r.pos[:r.k].min()) < 0 or int(r.pos[:r.k].max()) >= r.ctx),
@@ -104,8 +106,9 @@ def _grade_one_batch(make_batch, tok, prompts, ctx, no_pad_token: bool) -> None:
     B, T = len(rows), max(len(r) for r in rows)
     for x, n in zip(tensors, names):
         if list(x.shape) != [B, T]:
-            raise fail(NAME_BATCH, f"{B} prompts, the longest {T} tokens: {n} must have shape [{B}, "
-                                   f"{T}], got {list(x.shape)} (pad every row to the longest prompt)")
+            raise fail(NAME_BATCH, f"{B} prompts, the longest {T} tokens: {n} must have shape "
+                                   f"[{B}, {T}], got {list(x.shape)} (pad every row to the "
+                                   "longest prompt)")
     for i, real in enumerate(rows):
         row = _Row(*(t[i] for t in tensors), real, T, pad, ctx, no_pad_token)
         for broken, message in _ROW_RULES:
@@ -126,10 +129,11 @@ def check_make_batch(make_batch) -> None:
         tok = copy.deepcopy(no_pad if without_pad else tok0)
         _grade_one_batch(make_batch, tok, prompts, ctx, without_pad)
     for bad, why in (([], "an empty list of prompts"), (["", GRADER_TEXTS[1]], "an empty prompt")):
-        expect_value_error(NAME_BATCH, f"{why} (an all-pad row has no token to read the next one from)",
+        expect_value_error(NAME_BATCH, f"{why} (an all-pad row has no token to read the next one "
+                                       "from)",
                            make_batch, copy.deepcopy(tok0), bad)
-    passed(NAME_BATCH, f"{len(cases)} batches left-padded correctly (mask, position ids, pad id, also with "
-                       "no pad token) and empty input rejected")
+    passed(NAME_BATCH, f"{len(cases)} batches left-padded correctly (mask, position ids, pad id, "
+                       "also with no pad token) and empty input rejected")
 
 
 # ----------------------------------------------------------------------------------- batched_generate
@@ -143,8 +147,8 @@ def _result_rows(out, B: int, n: int) -> list[list[int]]:
         raise fail(NAME_GEN, "each prompt's result must be a list of ints, got "
                              f"{type(next(iter(out), None)).__name__}")
     if len(out) != B:
-        raise fail(NAME_GEN, f"{B} prompts but {len(out)} results: return one list per prompt, in the "
-                             "prompts' order")
+        raise fail(NAME_GEN, f"{B} prompts but {len(out)} results: return one list per prompt, in "
+                             "the prompts' order")
     return [[int(t) for t in r] for r in out]
 
 
@@ -153,18 +157,21 @@ def _prefill_order(first, rows) -> list[int]:
     tokens at the row's right end; also names right padding and a loop over the prompts."""
     B, W = first.ids.shape
     if B != len(rows):
-        raise fail(NAME_GEN, f"{len(rows)} prompts, but the first forward pass had batch size {B}: you "
-                             "are generating the prompts ONE AT A TIME (or dropped some). Pad them into "
-                             "one [batch, T] tensor and run one forward per step over the whole batch")
+        raise fail(NAME_GEN, f"{len(rows)} prompts, but the first forward pass had batch size "
+                             f"{B}: you are generating the prompts ONE AT A TIME (or dropped "
+                             "some). Pad them into one [batch, T] tensor and run one forward per "
+                             "step over the whole batch")
     order, free = [], list(range(len(rows)))
     for i in range(B):
         row = first.ids[i].tolist()
         j = next((j for j in free if row[W - len(rows[j]):] == rows[j]), None)
         if j is None:
             if any(row[:len(rows[j])] == rows[j] for j in free):
-                raise fail(NAME_GEN, f"prefill row {i} is RIGHT-padded: its pads come after the prompt, "
-                                     "so the next token would be read from a pad. Pad on the left")
-            raise fail(NAME_GEN, f"prefill row {i} does not end with any prompt's tokens (left padding)")
+                raise fail(NAME_GEN, f"prefill row {i} is RIGHT-padded: its pads come after the "
+                                     "prompt, so the next token would be read from a pad. Pad on "
+                                     "the left")
+            raise fail(NAME_GEN, f"prefill row {i} does not end with any prompt's tokens (left "
+                                 "padding)")
         order.append(j)
         free.remove(j)
     return order
@@ -179,21 +186,24 @@ def _expected_mask(first, lens) -> torch.Tensor:
 # The prefill's rules: (when, test, message); ``f`` the first call, ``m`` the expected mask.
 _PREFILL = [
     (lambda f, m, lens, T: f.cache_len not in (None, 0) or f.ids.shape[1] < T,
-     lambda f, m, lens, T: ("the first forward pass saw 1 token per row: NO PREFILL. With an empty cache "
-                            "the model conditions on the last prompt token only; run the whole padded "
-                            "batch once first" if f.ids.shape[1] == 1 else
-                            f"the prefill must see the whole padded batch (>= {T} columns) with an empty "
-                            f"cache; it saw {list(f.ids.shape)} with {f.cache_len} cached positions")),
+     lambda f, m, lens, T: ("the first forward pass saw 1 token per row: NO PREFILL. With an "
+                            "empty cache the model conditions on the last prompt token only; run "
+                            "the whole padded batch once first" if f.ids.shape[1] == 1 else
+                            f"the prefill must see the whole padded batch (>= {T} columns) with "
+                            f"an empty cache; it saw {list(f.ids.shape)} with {f.cache_len} "
+                            "cached positions")),
     (lambda f, m, lens, T: f.mask is None and len(set(lens)) > 1,
-     lambda f, m, lens, T: "the prefill got NO attention_mask: the real tokens of the shorter rows attend "
-                           "to the pads. Pass attention_mask (0 on pads, 1 on real tokens)"),
+     lambda f, m, lens, T: "the prefill got NO attention_mask: the real tokens of the shorter "
+                           "rows attend to the pads. Pass attention_mask (0 on pads, 1 on real "
+                           "tokens)"),
     (lambda f, m, lens, T: f.pos is None and len(set(lens)) > 1,
-     lambda f, m, lens, T: "the prefill got NO position_ids: transformers then numbers the columns 0..T-1 "
-                           "in every row, so a row with k left pads starts at position k. Pass "
-                           "position_ids = attention_mask.cumsum(-1) - 1 (pads clamped to 0)"),
+     lambda f, m, lens, T: "the prefill got NO position_ids: transformers then numbers the "
+                           "columns 0..T-1 in every row, so a row with k left pads starts at "
+                           "position k. Pass position_ids = attention_mask.cumsum(-1) - 1 (pads "
+                           "clamped to 0)"),
     (lambda f, m, lens, T: f.mask is not None and not torch.equal(f.mask.long().expand_as(m), m),
-     lambda f, m, lens, T: "the prefill's attention_mask should be 0 on the pads and 1 on real tokens; "
-                           f"row 0 is {f.mask[0].tolist()}"),
+     lambda f, m, lens, T: "the prefill's attention_mask should be 0 on the pads and 1 on real "
+                           f"tokens; row 0 is {f.mask[0].tolist()}"),
     (lambda f, m, lens, T: f.pos is not None and any(
         f.pos.expand_as(m)[i, m.shape[1] - L:].tolist() != list(range(L)) for i, L in enumerate(lens)),
      lambda f, m, lens, T: "the prefill's position ids of each row's real tokens must be 0..len-1 "
@@ -203,27 +213,29 @@ _PREFILL = [
 # A decode step's rules; ``c`` the call, ``s`` the step, ``W`` the prefill width, ``want_m`` its mask.
 _DECODE = [
     (lambda c, s, W, m, lens: c.ids.shape[1] != 1,
-     "decode step {s} fed {fed} tokens per row; with the cache, feed only the one new token of each "
-     "row (the cache holds everything before it)"),
+     "decode step {s} fed {fed} tokens per row; with the cache, feed only the one new token of "
+     "each row (the cache holds everything before it)"),
     (lambda c, s, W, m, lens: not c.cache_len,
      "decode step {s} got no cache (or an empty one): pass the same cache back at every step"),
     (lambda c, s, W, m, lens: c.cache_len != W + s - 1,
      "at decode step {s} the cache held {c.cache_len} positions, expected {cl}: feed every step's "
      "tokens through the same cache"),
     (lambda c, s, W, m, lens: c.mask is None and len(set(lens)) > 1,
-     "decode step {s} got NO attention_mask (only the prefill had one): the new tokens then attend to "
-     "the pads held in the cache. Pass the mask at every step, grown by one column of ones"),
+     "decode step {s} got NO attention_mask (only the prefill had one): the new tokens then "
+     "attend to the pads held in the cache. Pass the mask at every step, grown by one column of "
+     "ones"),
     (lambda c, s, W, m, lens: c.mask is not None and c.mask.shape[-1] == W and s >= 1,
-     "at decode step {s} the attention_mask still has the prefill's {W} columns but the cache + new "
-     "token span {cl1}: the MASK DOES NOT GROW. transformers pads a short mask with zeros, which hides "
-     "the generated tokens; append a column of ones at every step"),
+     "at decode step {s} the attention_mask still has the prefill's {W} columns but the cache + "
+     "new token span {cl1}: the MASK DOES NOT GROW. transformers pads a short mask with zeros, "
+     "which hides the generated tokens; append a column of ones at every step"),
     (lambda c, s, W, m, lens: c.mask is not None and not torch.equal(
         c.mask.long().expand(len(lens), -1), torch.cat([m, torch.ones(len(lens), s, dtype=torch.long)], 1)),
-     "at decode step {s} the attention_mask should be the prefill mask followed by {s} column(s) of "
-     "ones (the generated tokens are real), {cl1} columns in all"),
+     "at decode step {s} the attention_mask should be the prefill mask followed by {s} column(s) "
+     "of ones (the generated tokens are real), {cl1} columns in all"),
     (lambda c, s, W, m, lens: c.pos is None and len(set(lens)) > 1,
-     "decode step {s} got NO position_ids: transformers then uses the cache length (which counts the "
-     "pads) as every row's position. Pass each row's own position: its length + tokens so far - 1"),
+     "decode step {s} got NO position_ids: transformers then uses the cache length (which counts "
+     "the pads) as every row's position. Pass each row's own position: its length + tokens so far "
+     "- 1"),
     (lambda c, s, W, m, lens: c.pos is not None and
      c.pos.expand(len(lens), -1)[:, -1].tolist() != [L + s - 1 for L in lens],
      "at decode step {s} the position ids were {got_pos}, expected {want_pos} (each row's position "
@@ -239,9 +251,9 @@ def _check_calls(calls, rows, n) -> list[int]:
     if first.ids is None:
         raise fail(NAME_GEN, "pass the token ids as input_ids (not inputs_embeds)")
     if first.ids.shape[0] == len(rows) and first.ids.shape[1] == 1 and max(map(len, rows)) > 1:
-        raise fail(NAME_GEN, "the first forward pass saw 1 token per row: NO PREFILL. With an empty cache "
-                             "the model conditions on the last prompt token only; run the whole padded "
-                             "batch once first, then feed one token per step")
+        raise fail(NAME_GEN, "the first forward pass saw 1 token per row: NO PREFILL. With an "
+                             "empty cache the model conditions on the last prompt token only; run "
+                             "the whole padded batch once first, then feed one token per step")
     order = _prefill_order(first, rows)
     lens = [len(rows[j]) for j in order]
     want_mask = _expected_mask(first, lens)
@@ -249,12 +261,13 @@ def _check_calls(calls, rows, n) -> list[int]:
         if broken(first, want_mask, lens, max(lens)):
             raise fail(NAME_GEN, message(first, want_mask, lens, max(lens)))
     if len(calls) not in (n, n + 1) and not (n == 0 and len(calls) <= 1):
-        raise fail(NAME_GEN, f"max_new_tokens={n}: expected one forward pass per new token ({n}: the "
-                             f"prefill, then {n - 1} decode steps), got {len(calls)}")
+        raise fail(NAME_GEN, f"max_new_tokens={n}: expected one forward pass per new token ({n}: "
+                             f"the prefill, then {n - 1} decode steps), got {len(calls)}")
     W = first.ids.shape[1]
     for s, c in enumerate(calls[1:], start=1):
         if c.ids is None or c.ids.shape[0] != len(rows):
-            raise fail(NAME_GEN, f"decode step {s} did not run the whole batch of {len(rows)} at once")
+            raise fail(NAME_GEN, f"decode step {s} did not run the whole batch of {len(rows)} at "
+                                 "once")
         got_pos = None if c.pos is None else c.pos.expand(len(lens), -1)[:, -1].tolist()
         fmt = dict(s=s, W=W, c=c, cl=W + s - 1, cl1=W + s, fed=c.ids.shape[1], got_pos=got_pos,
                    want_pos=[L + s - 1 for L in lens])
@@ -268,17 +281,20 @@ def _compare_rows(got, want, rows, n) -> None:
     if got == want:
         return
     if sorted(got) == sorted(want):
-        raise fail(NAME_GEN, "every row's tokens are right, but the rows are not in the prompts' order "
-                             "(did you sort the prompts by length?): return result i for prompts[i]")
+        raise fail(NAME_GEN, "every row's tokens are right, but the rows are not in the prompts' "
+                             "order (did you sort the prompts by length?): return result i for "
+                             "prompts[i]")
     i = next(i for i in range(len(rows)) if got[i] != want[i])
     if len(got[i]) != n:
         if len(got[i]) in (len(rows[i]) + n, max(map(len, rows)) + n):
-            raise fail(NAME_GEN, f"row {i}: return only the NEW tokens ({n}), not the prompt or pads")
+            raise fail(NAME_GEN, f"row {i}: return only the NEW tokens ({n}), not the prompt or "
+                                 "pads")
         raise fail(NAME_GEN, f"max_new_tokens={n}, but row {i} has {len(got[i])} tokens")
     j = next(j for j in range(n) if got[i][j] != want[i][j])
-    raise fail(NAME_GEN, f"row {i} (prompt of {len(rows[i])} tokens): new token #{j + 1} is {got[i][j]}, "
-                         f"generating this prompt alone gives {want[i][j]}. The calls looked right, so "
-                         "check which logits you read (column -1 of the last forward) and the argmax")
+    raise fail(NAME_GEN, f"row {i} (prompt of {len(rows[i])} tokens): new token #{j + 1} is "
+                         f"{got[i][j]}, generating this prompt alone gives {want[i][j]}. The "
+                         "calls looked right, so check which logits you read (column -1 of the "
+                         "last forward) and the argmax")
 
 
 def _gen_cases(model, tok):
@@ -314,21 +330,22 @@ def check_batched_generate(batched_generate) -> None:
             out = learner_call(NAME_GEN, what, batched_generate, mine, tok, prompts, n)
         got = _result_rows(out, len(prompts), n)
         if eos is not None and len(got[0]) < n and any(len(g) < n for g in got[1:]):
-            raise fail(NAME_GEN, f"{what}: the rows stopped at {[len(g) for g in got]} tokens when row 0 "
-                                 f"produced the end-of-text id {eos}: the contract is exactly "
-                                 f"max_new_tokens={n} per row; never stop the whole batch when one row ends")
+            raise fail(NAME_GEN, f"{what}: the rows stopped at {[len(g) for g in got]} tokens "
+                                 f"when row 0 produced the end-of-text id {eos}: the contract is "
+                                 f"exactly max_new_tokens={n} per row; never stop the whole batch "
+                                 "when one row ends")
         if eos is not None and any(len(g) < n for g in got):
-            raise fail(NAME_GEN, f"{what}: a row stopped at the end-of-text id {eos}; the contract is "
-                                 f"exactly max_new_tokens={n} new tokens per row")
+            raise fail(NAME_GEN, f"{what}: a row stopped at the end-of-text id {eos}; the "
+                                 f"contract is exactly max_new_tokens={n} new tokens per row")
         if n:
             _check_calls(guard.calls, rows, n)
         want = [alone(tuple(r), n) for r in rows]
         _compare_rows(got, want, rows, n)
     with guard.case() as mine:
         expect_value_error(NAME_GEN, "an empty list of prompts", batched_generate, mine, tok0, [], 3)
-    passed(NAME_GEN, f"{len(cases)} batches (mixed lengths, one prompt, 0 new tokens, the pad token "
-                     "inside a prompt, a row that reaches end-of-text) equal each prompt generated alone, "
-                     "one forward per step over the whole batch with the cache")
+    passed(NAME_GEN, f"{len(cases)} batches (mixed lengths, one prompt, 0 new tokens, the pad "
+                     "token inside a prompt, a row that reaches end-of-text) equal each prompt "
+                     "generated alone, one forward per step over the whole batch with the cache")
 
 
 # ------------------------------------------------------------------------ per-row end-of-text
@@ -356,16 +373,18 @@ def _grade_until(got, want, calls, eos, what) -> None:
             continue
         if len(g) < len(w) and g == w[:len(g)]:
             raise fail(NAME_UNTIL, f"{what}: row {i} stopped after {len(g)} tokens, but it has not "
-                                   f"produced end-of-text ({eos}) yet: when one row ends, the others "
-                                   "go on (never stop the whole batch for one row)")
+                                   f"produced end-of-text ({eos}) yet: when one row ends, the "
+                                   "others go on (never stop the whole batch for one row)")
         if len(g) > len(w) and g[:len(w)] == w:
-            raise fail(NAME_UNTIL, f"{what}: row {i} goes on after its end-of-text token ({eos}, new "
-                                   f"token #{len(w)}): cut each row right after its own end-of-text")
+            raise fail(NAME_UNTIL, f"{what}: row {i} goes on after its end-of-text token ({eos}, "
+                                   f"new token #{len(w)}): cut each row right after its own "
+                                   "end-of-text")
         raise fail(NAME_UNTIL, f"{what}: row {i} should be {w}, got {g}")
     steps = max(map(len, want))
     if len(calls) > steps:
-        raise fail(NAME_UNTIL, f"{what}: {len(calls)} forward passes, but the longest row is done after "
-                               f"{steps}: stop the loop once every row has ended (or the budget is spent)")
+        raise fail(NAME_UNTIL, f"{what}: {len(calls)} forward passes, but the longest row is done "
+                               f"after {steps}: stop the loop once every row has ended (or the "
+                               "budget is spent)")
 
 
 def check_batched_generate_until(batched_generate_until) -> None:
@@ -383,10 +402,11 @@ def check_batched_generate_until(batched_generate_until) -> None:
         with guard.case(eos) as mine:
             out = learner_call(NAME_UNTIL, what, batched_generate_until, mine, tok, prompts, n)
         if isinstance(out, torch.Tensor) or not isinstance(out, (list, tuple)) or len(out) != len(prompts):
-            raise fail(NAME_UNTIL, f"{what}: return a list with one list of new token ids per prompt")
+            raise fail(NAME_UNTIL, f"{what}: return a list with one list of new token ids per "
+                                   "prompt")
         got = [[int(t) for t in row] for row in out]
         if guard.calls and guard.calls[0].ids is not None and guard.calls[0].ids.shape[0] != len(prompts):
             raise fail(NAME_UNTIL, f"{what}: the first forward pass did not run the whole batch")
         _grade_until(got, one_by_one(model, tok, prompts, n, stop_at_eos=True), guard.calls, eos, what)
-    passed(NAME_UNTIL, f"{len(cases)} batches (one row ends early, a short batch, none ends, eos inside "
-                       "a prompt) stop row by row exactly like each prompt generated alone")
+    passed(NAME_UNTIL, f"{len(cases)} batches (one row ends early, a short batch, none ends, eos "
+                       "inside a prompt) stop row by row exactly like each prompt generated alone")
