@@ -1,6 +1,6 @@
-"""The lab graders. Each ``check_*`` runs a learner's function on fresh inputs against an independent
-reference (transformers itself, or float64 arithmetic), raises ``AssertionError`` with a message that
-points at the mistake, and prints one line when it passes.
+"""The lab graders. Each ``check_*`` runs a learner's function on fresh inputs against an
+independent reference (transformers itself, or float64 arithmetic), raises ``AssertionError``
+with a message that points at the mistake, and prints one line when it passes.
 
 One submodule per lab; everything is re-exported here so a notebook writes
 ``from kvlab.checks import check_naive_generate``.
@@ -14,4 +14,21 @@ from .lab04 import check_kv_cache_bytes, check_max_batch_size, check_max_seq_len
 from .lab05 import check_quantize, check_quantize_int
 from .lab06 import check_batched_generate, check_batched_generate_until, check_make_batch
 
-__all__ = ["check_naive_generate", "check_sample_generate", "check_cached_generate", "check_generate_until", "check_kv_cache", "check_attention", "check_generate_with_cache", "check_cache_bytes_prediction", "check_kv_cache_bytes", "check_max_batch_size", "check_max_seq_len", "check_quantize", "check_quantize_int", "check_make_batch", "check_batched_generate", "check_batched_generate_until"]
+__all__ = [
+    "check_naive_generate",
+    "check_sample_generate",
+    "check_cached_generate",
+    "check_generate_until",
+    "check_kv_cache",
+    "check_attention",
+    "check_generate_with_cache",
+    "check_cache_bytes_prediction",
+    "check_kv_cache_bytes",
+    "check_max_batch_size",
+    "check_max_seq_len",
+    "check_quantize",
+    "check_quantize_int",
+    "check_make_batch",
+    "check_batched_generate",
+    "check_batched_generate_until",
+]

@@ -200,7 +200,8 @@ class Recorder:
         cache = next((c for c in (a.get("cache"), extra.get("past_key_values"),
                                   a.get("past_key_values")) if c is not None), None)
         take = lambda t: None if t is None else t.detach().cpu().clone()  # noqa: E731
-        call = Call(take(a.get("input_ids")), take(a.get("attention_mask")), take(a.get("position_ids")),
+        call = Call(take(a.get("input_ids")), take(a.get("attention_mask")),
+                    take(a.get("position_ids")),
                     cache, _cache_len(cache), a.get("use_cache", extra.get("use_cache")))
         self.calls.append(call)
         if self.on_call is not None:
@@ -238,7 +239,8 @@ class LearnerModel:
         yield m
         changes = model_changes(m, self.reference, state)
         if changes:
-            raise fail(self.check, "your function changed the model it was given: " + "; ".join(changes)
+            raise fail(self.check, "your function changed the model it was given: "
+                                   + "; ".join(changes)
                                    + ". Leave the model as it is (work on your own tensors)")
 
     @property

@@ -178,7 +178,8 @@ def _diagnose_sampling(model, out, case) -> str:
     prompt, n, seed, t, k = case
     greedy = hf_greedy(model, prompt, n, use_cache=False)
     if torch.equal(out, greedy):
-        return "these are the GREEDY tokens: sample with torch.multinomial(probs, 1), do not take argmax"
+        return ("these are the GREEDY tokens: sample with torch.multinomial(probs, 1), do not take "
+                "argmax")
     for change, message in _SAMPLING_MISTAKES:
         args = dict(temperature=t, top_k=k, scale="divide") | change
         if torch.equal(simulate_sampling(model, prompt, n, seed, **args), out):
@@ -195,7 +196,8 @@ def check_sample_generate(sample_generate) -> None:
     prompts = fresh_prompts(tok)
     guard = LearnerModel(NAME_SAMPLE, model)
     # the first case samples hot (1.4, no top-k): there a greedy or mis-seeded sampler shows at once
-    cases = [(prompts[3], 10, 12, 1.4, None), (prompts[0], 12, 11, 0.7, 20), (prompts[2], 8, 13, 1.0, 5),
+    cases = [(prompts[3], 10, 12, 1.4, None), (prompts[0], 12, 11, 0.7, 20),
+             (prompts[2], 8, 13, 1.0, 5),
              (prompts[1], 6, 14, 0.3, 1), (synthetic(1, tok.vocab_size), 5, 15, 2.0, 50)]
 
     def grade(case) -> None:
@@ -213,7 +215,8 @@ def check_sample_generate(sample_generate) -> None:
     count = run_cases(cases, grade)
     for bad in (0, -1.0):
         with guard.case() as mine:
-            expect_value_error(NAME_SAMPLE, f"temperature={bad}", sample_generate, mine, prompts[0], 2,
+            expect_value_error(NAME_SAMPLE, f"temperature={bad}", sample_generate, mine,
+                               prompts[0], 2,
                                bad, None)
     passed(NAME_SAMPLE, f"{count} seeded runs (temperatures 0.3..2, top_k 1..50 or none) equal "
                         "transformers' sampler token for token; temperature <= 0 rejected")

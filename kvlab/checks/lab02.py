@@ -19,7 +19,8 @@ from __future__ import annotations
 import torch
 
 from ..generate import hf_greedy
-from ._common import (Call, LearnerModel, check_generated_ids, expect_value_error, fail, fresh_prompts,
+from ._common import (Call, LearnerModel, check_generated_ids, expect_value_error, fail,
+                      fresh_prompts,
                       grading_model, learner_call, passed, run_cases, stopped_early)
 from .lab01 import Case, compare_tokens, grading_eos, single_prompt_cases
 
@@ -78,7 +79,8 @@ def watch(T: int, n: int):
         for applies, broken, message in _RULES:
             if applies in ("any", kind) and broken(c, k, T, n, pos):
                 where = f"prompt of {T} tokens, max_new_tokens={n}, forward call #{k}"
-                raise fail(NAME, f"{where}: " + message.format(c=c, k=k, T=T, n=n, pos=pos, fed=c.ids.shape[-1]))
+                fmt = dict(c=c, k=k, T=T, n=n, pos=pos, fed=c.ids.shape[-1])
+                raise fail(NAME, f"{where}: " + message.format(**fmt))
     return on_call
 
 

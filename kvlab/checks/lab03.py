@@ -127,7 +127,8 @@ def _grade_update(u: _Update) -> None:
     for broken, message in _UPDATE_SHAPE:
         if broken(u):
             raise fail(NAME_CACHE, f"{u.where}: " + message.format(**fmt))
-    for got, want, new, what in ((u.keys, u.want_k, u.k, "keys"), (u.values, u.want_v, u.v, "values")):
+    pairs = ((u.keys, u.want_k, u.k, "keys"), (u.values, u.want_v, u.v, "values"))
+    for got, want, new, what in pairs:
         if torch.equal(got, want):
             continue
         at = (_find(got, new) or [None])[0]
@@ -176,7 +177,7 @@ def _run_cache(KVCache, batch, steps, max_len, gen):
 
 
 def _run_or_explain(KVCache, steps, max_len, gen):
-    """Batch 2; when that raises, find out whether batch 1 works (then the batch dim is the problem)."""
+    """Batch 2; when that raises, does batch 1 work? (then the batch dimension is the problem)"""
     try:
         return _run_cache(KVCache, 2, steps, max_len, gen)
     except GraderFailure as e:
@@ -188,7 +189,8 @@ def _run_or_explain(KVCache, steps, max_len, gen):
             raise e from None
         raise fail(NAME_CACHE, f"with batch_size=2 your cache raised {e.__cause__!r}. It works "
                                "with batch_size=1: keep the batch dimension, buffers [batch, "
-                               "heads, max_len, head_dim], and write k as a whole (no squeeze(0) or k[0])") from e
+                               "heads, max_len, head_dim], and write k as a whole (no squeeze(0) or "
+                               "k[0])") from e
 
 
 def _check_reset(cache, shape, gen) -> None:
@@ -249,7 +251,8 @@ def check_kv_cache(KVCache) -> None:
     room = max_len - written
     k = torch.randn(B, H, room + 1, D, dtype=dt, generator=gen)
     expect_value_error(NAME_CACHE, f"writing {room + 1} tokens when only {room} of "
-                                   f"max_len={max_len} positions are free", cache.update, 0, k, k.clone())
+                                   f"max_len={max_len} positions are free", cache.update, 0, k,
+                       k.clone())
     _check_reset(cache, shape, gen)
     _check_edges(KVCache)
     passed(NAME_CACHE, f"batch 2, {L} layers, passes of {steps} tokens: every update returns "
@@ -298,7 +301,8 @@ _MISTAKES = [
 
 
 # (B, H, T, past_len, D): a prefill, decode steps, a chunk after a past, a tall batch
-_ATTENTION_CASES = [(2, 3, 6, 0, 8), (2, 3, 1, 9, 8), (3, 2, 4, 5, 16), (1, 4, 7, 0, 32), (2, 2, 1, 0, 4),
+_ATTENTION_CASES = [(2, 3, 6, 0, 8), (2, 3, 1, 9, 8), (3, 2, 4, 5, 16), (1, 4, 7, 0, 32),
+                    (2, 2, 1, 0, 4),
                     (2, 1, 3, 2, 8)]
 
 
@@ -381,7 +385,8 @@ def _which_piece(hf, KVCache, attention, ids, n, want, detail, second: bool) -> 
     cfg = hf.config
     ref_cache = PreallocatedCache(cfg.n_layer, ids.shape[0], cfg.n_head, cfg.n_embd // cfg.n_head,
                                   ids.shape[1] + n)
-    if not torch.equal(generate(GPT2.from_hf(hf, attention_fn=attention), ids, n, cache=ref_cache), want):
+    with_ref_cache = GPT2.from_hf(hf, attention_fn=attention)
+    if not torch.equal(generate(with_ref_cache, ids, n, cache=ref_cache), want):
         raise fail(NAME_GENERATE, f"{detail}. It goes wrong with the library's cache too, so the "
                                   "problem is your attention: run check_attention(attention)")
     with_ref_attention = GPT2.from_hf(hf, attention_fn=sdpa_attention, cache_cls=KVCache)
@@ -415,7 +420,8 @@ def check_generate_with_cache(KVCache, attention) -> None:
                                                  model.new_cache, 1, max_len=1 + n)
         want = torch.cat([hf_greedy(hf, row[None], n) for row in ids])
         where = f"{which} ({ids.shape[0]} x {ids.shape[1]} tokens, {n} new)"
-        out = learner_call(NAME_GENERATE, f"{where}: generation with your pieces", generate, model, ids,
+        out = learner_call(NAME_GENERATE, f"{where}: generation with your pieces", generate, model,
+                           ids,
                            n, cache=c)
         if torch.equal(out, want):
             continue
@@ -436,7 +442,8 @@ def check_cache_bytes_prediction(KVCache, predicted_bytes) -> None:
     try:
         cache = KVCache(12, 1, 12, 64, 1024, torch.float32, "meta")
     except Exception as e:  # noqa: BLE001
-        raise fail(name, f"KVCache(12, 1, 12, 64, 1024, float32, 'meta') raised {type(e).__name__}: {e}") from e
+        raise fail(name, f"KVCache(12, 1, 12, 64, 1024, float32, 'meta') raised "
+                         f"{type(e).__name__}: {e}") from e
     held = sum(t.numel() * t.element_size() for t in _tensors(cache))
     if not isinstance(predicted_bytes, int) or isinstance(predicted_bytes, bool):
         raise fail(name, "predict a whole number of bytes (an int), got "

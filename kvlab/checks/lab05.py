@@ -20,7 +20,8 @@ BITS = (8, 4, 2)
 
 def _inputs() -> list[tuple[torch.Tensor, tuple]]:
     """Fresh tensors shaped like a cache ``[batch, heads, tokens, head_dim]`` (every size different,
-    so a wrong axis shows in the shapes) with an outlier channel and an offset token, like real keys."""
+    so a wrong axis shows in the shapes) with an outlier channel and an offset token, like real
+    keys."""
     g = torch.Generator().manual_seed(20250505)
     x4 = torch.randn(2, 3, 24, 16, generator=g)
     x4[..., 5] = x4[..., 5] * 12 + 4          # an outlier channel
@@ -123,7 +124,9 @@ def _format(c: _Q) -> dict:
     lo, hi = c.range()
     ref = (hi - lo) / c.levels
     same = c.scale.shape == ref.shape
-    off = ((c.scale.double() - ref).abs() / ref.clamp(min=1e-12)).max().item() if same else float("nan")
+    off = float("nan")
+    if same:
+        off = ((c.scale.double() - ref).abs() / ref.clamp(min=1e-12)).max().item()
     return dict(qdt=c.q.dtype, xs=list(c.x.shape), qs=list(c.q.shape), sn=c.scale.numel(),
                 want=list(c.want), dim=c.dim, ss=list(c.scale.shape), zs=list(c.zp.shape),
                 which=_which_dims(c.x.shape, c.scale.shape), bits=c.bits, levels=c.levels, off=off,
@@ -180,7 +183,7 @@ def _check_constant(quantize, dequantize, bits: int) -> None:
         where = f"bits={bits}, dim={dim}, a slice with max == min"
         q, scale, zp = _call_quantize(quantize, xin, bits, dim)
         xhat = dequantize(q, scale, zp)
-        if not (torch.isfinite(scale).all() and torch.isfinite(zp).all() and torch.isfinite(xhat).all()):
+        if not all(torch.isfinite(t).all() for t in (scale, zp, xhat)):
             raise fail(NAME, f"{where}: NaN or inf on a constant slice. There max - min = 0, so "
                              "scale = 0 and (x - min) / scale = 0/0. Replace a zero scale by any "
                              "positive number, e.g. torch.where(scale > 0, scale, "
@@ -210,14 +213,14 @@ def _check_dtypes(quantize, dequantize) -> None:
                                  "input's dtype (compute them from x itself, no .float())")
         xhat = learner_call(NAME, f"dequantize of a {dt} input", dequantize, q, scale, zp)
         err = (xhat.double() - x.double()).abs() / scale.double()
-        if not xhat.dtype.is_floating_point or err.max() > 1.0:   # half a step + half-precision rounding
+        if not xhat.dtype.is_floating_point or err.max() > 1.0:   # half a step + rounding in dt
             raise fail(NAME, f"x in {dt}: dequantize returned {xhat.dtype} with errors up to "
                              f"{err.max().item():.3g} steps (at most half a step, plus {dt} "
                              "rounding)")
 
 
 def check_quantize(quantize, dequantize) -> None:
-    """Grade a learner's asymmetric min/max ``quantize`` / ``dequantize`` against float64 arithmetic."""
+    """Grade asymmetric min/max ``quantize`` / ``dequantize`` against float64 arithmetic."""
     n = 0
     for bits in BITS:
         for x, dims in _inputs():
@@ -227,7 +230,8 @@ def check_quantize(quantize, dequantize) -> None:
         _check_constant(quantize, dequantize, bits)
     x = _inputs()[0][0]
     for bad in (0, 1, 3, 5, 6, 7, 16):
-        expect_value_error(NAME, f"bits={bad}: bits must be one of (2, 4, 8), so this", quantize, x.clone(), bad, -1)
+        expect_value_error(NAME, f"bits={bad}: bits must be one of (2, 4, 8), so this", quantize,
+                           x.clone(), bad, -1)
     _check_dtypes(quantize, dequantize)
     passed(NAME, f"{n} tensors/bits/dims round-trip within half a step (float64 reference), uint8 "
                  "codes, constant slices exact, fp16/bf16 statistics keep their dtype, "
@@ -250,7 +254,8 @@ def _int_reference(x, bits, dim, scale):
 
 def _check_int_case(quantize_int, dequantize_int, x, bits, dim) -> None:
     where = f"x of shape {list(x.shape)}, bits={bits}, dim={dim}"
-    out = learner_call(NAME_INT, f"quantize_int(<x>, {bits}, {dim})", quantize_int, x.clone(), bits, dim)
+    out = learner_call(NAME_INT, f"quantize_int(<x>, {bits}, {dim})", quantize_int, x.clone(), bits,
+                       dim)
     if not isinstance(out, (tuple, list)) or len(out) != 3:
         raise fail(NAME_INT, f"{where}: return a tuple (q, scale, zero_point)")
     q, scale, z = out

@@ -87,7 +87,8 @@ class _Row:
 
     def fmt(self, i) -> dict:
         return dict(i=i, L=self.L, k=self.k, head=self.real[:8], got=self.ids.tolist()[:12],
-                    pads=sorted(set(self.ids[:self.k].tolist())), pad=self.pad, mask=self.mask.tolist(),
+                    pads=sorted(set(self.ids[:self.k].tolist())), pad=self.pad,
+                    mask=self.mask.tolist(),
                     L1=self.L - 1, gpos=self.pos[self.k:].tolist()[:10],
                     ppos=self.pos[:self.k].tolist(), ctx1=self.ctx - 1)
 
@@ -117,7 +118,7 @@ def _grade_one_batch(make_batch, tok, prompts, ctx, no_pad_token: bool) -> None:
 
 
 def check_make_batch(make_batch) -> None:
-    """Grade a learner's left-padding ``make_batch`` on fresh prompts, with and without a pad token."""
+    """Grade a left-padding ``make_batch`` on fresh prompts, with and without a pad token."""
     model, tok0 = grading_model()
     ctx = context_length(model)
     no_pad = copy.deepcopy(tok0)
@@ -205,7 +206,8 @@ _PREFILL = [
      lambda f, m, lens, T: "the prefill's attention_mask should be 0 on the pads and 1 on real "
                            f"tokens; row 0 is {f.mask[0].tolist()}"),
     (lambda f, m, lens, T: f.pos is not None and any(
-        f.pos.expand_as(m)[i, m.shape[1] - L:].tolist() != list(range(L)) for i, L in enumerate(lens)),
+        f.pos.expand_as(m)[i, m.shape[1] - L:].tolist() != list(range(L))
+        for i, L in enumerate(lens)),
      lambda f, m, lens, T: "the prefill's position ids of each row's real tokens must be 0..len-1 "
                            "(attention_mask.cumsum(-1) - 1)"),
 ]
@@ -229,7 +231,8 @@ _DECODE = [
      "new token span {cl1}: the MASK DOES NOT GROW. transformers pads a short mask with zeros, "
      "which hides the generated tokens; append a column of ones at every step"),
     (lambda c, s, W, m, lens: c.mask is not None and not torch.equal(
-        c.mask.long().expand(len(lens), -1), torch.cat([m, torch.ones(len(lens), s, dtype=torch.long)], 1)),
+        c.mask.long().expand(len(lens), -1),
+        torch.cat([m, torch.ones(len(lens), s, dtype=torch.long)], 1)),
      "at decode step {s} the attention_mask should be the prefill mask followed by {s} column(s) "
      "of ones (the generated tokens are real), {cl1} columns in all"),
     (lambda c, s, W, m, lens: c.pos is None and len(set(lens)) > 1,
@@ -299,10 +302,13 @@ def _compare_rows(got, want, rows, n) -> None:
 
 def _gen_cases(model, tok):
     """(name, prompts, n, grading-only eos id or None)."""
-    cases = [("mixed lengths", _MIXED, 6, None), ("two prompts, one new token", [GRADER_TEXTS[2],
-             GRADER_TEXTS[4]], 1, None), ("a 1-token prompt", [GRADER_TEXTS[4], GRADER_TEXTS[3]], 5, None),
-             ("a single prompt", [GRADER_TEXTS[0]], 4, None), ("max_new_tokens=0", _MIXED[:2], 0, None),
-             ("the pad / end-of-text token inside a prompt", [_WITH_PAD, GRADER_TEXTS[1]], 4, None)]
+    g = GRADER_TEXTS
+    cases = [("mixed lengths", _MIXED, 6, None),
+             ("two prompts, one new token", [g[2], g[4]], 1, None),
+             ("a 1-token prompt", [g[4], g[3]], 5, None),
+             ("a single prompt", [g[0]], 4, None),
+             ("max_new_tokens=0", _MIXED[:2], 0, None),
+             ("the pad / end-of-text token inside a prompt", [_WITH_PAD, g[1]], 4, None)]
     ids = torch.tensor([tok(GRADER_TEXTS[3]).input_ids])
     early = int(hf_greedy(model, ids, 2)[0, -1])        # row 0's second new token ends its text
     cases.append(("one row reaches end-of-text early", [GRADER_TEXTS[3], GRADER_TEXTS[0]], 6, early))
@@ -358,7 +364,8 @@ def _until_cases(model, tok):
     ids = torch.tensor([tok(GRADER_TEXTS[3]).input_ids])
     second = int(hf_greedy(model, ids, 2)[0, -1])             # row 0's 2nd new token
     alone = [hf_greedy(model, torch.tensor([tok(t).input_ids]), 1)[0, -1] for t in _MIXED[:2]]
-    return [("row 0 ends early, the others go on", [GRADER_TEXTS[3], GRADER_TEXTS[0], GRADER_TEXTS[4]],
+    three = [GRADER_TEXTS[3], GRADER_TEXTS[0], GRADER_TEXTS[4]]
+    return [("row 0 ends early, the others go on", three,
              6, second),
             ("a short batch whose first new token may be end-of-text", _MIXED[:2], 5, int(alone[0])
              if int(alone[0]) == int(alone[1]) else second),
@@ -398,15 +405,18 @@ def check_batched_generate_until(batched_generate_until) -> None:
     cases = _until_cases(model, tok0)
     for name, prompts, n, eos in cases:
         tok = grading_tokenizer(tok0, eos)
-        what = f"{name} (eos_token_id={eos}): batched_generate_until(model, tok, <{len(prompts)}>, {n})"
+        what = (f"{name} (eos_token_id={eos}): batched_generate_until(model, tok, <{len(prompts)}>, "
+            f"{n})")
         with guard.case(eos) as mine:
             out = learner_call(NAME_UNTIL, what, batched_generate_until, mine, tok, prompts, n)
-        if isinstance(out, torch.Tensor) or not isinstance(out, (list, tuple)) or len(out) != len(prompts):
+        if not isinstance(out, (list, tuple)) or len(out) != len(prompts):
             raise fail(NAME_UNTIL, f"{what}: return a list with one list of new token ids per "
                                    "prompt")
         got = [[int(t) for t in row] for row in out]
-        if guard.calls and guard.calls[0].ids is not None and guard.calls[0].ids.shape[0] != len(prompts):
+        first = guard.calls[0].ids if guard.calls else None
+        if first is not None and first.shape[0] != len(prompts):
             raise fail(NAME_UNTIL, f"{what}: the first forward pass did not run the whole batch")
-        _grade_until(got, one_by_one(model, tok, prompts, n, stop_at_eos=True), guard.calls, eos, what)
+        want = one_by_one(model, tok, prompts, n, stop_at_eos=True)
+        _grade_until(got, want, guard.calls, eos, what)
     passed(NAME_UNTIL, f"{len(cases)} batches (one row ends early, a short batch, none ends, eos "
                        "inside a prompt) stop row by row exactly like each prompt generated alone")
