@@ -15,7 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..generate import context_length, hf_greedy
+from ..generate import hf_greedy
+from ..memory import context_length
 from ._common import (check_generated_ids, expect_value_error, fail, first_difference, fresh_prompts,
                       grading_model, learner_call, LearnerModel, passed, run_cases, stopped_early,
                       synthetic)

@@ -16,7 +16,8 @@ import copy
 
 import torch
 
-from ..generate import context_length, hf_greedy
+from ..generate import hf_greedy
+from ..memory import context_length
 from ._common import (GRADER_TEXTS, LearnerModel, expect_value_error, fail, grading_model,
                       grading_tokenizer, learner_call, passed)
 
