@@ -15,11 +15,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ..generate import hf_greedy
 from ..memory import context_length
-from ._common import (check_generated_ids, expect_value_error, fail, first_difference, fresh_prompts,
-                      grading_model, learner_call, LearnerModel, passed, run_cases, stopped_early,
-                      synthetic)
+from ._common import (LearnerModel, check_generated_ids, expect_value_error, fail, first_difference,
+                      fresh_prompts, grading_model, learner_call, passed, reference_greedy,
+                      run_cases, stopped_early, synthetic)
 
 NAME = "check_naive_generate"
 NAME_SAMPLE = "check_sample_generate"
@@ -48,7 +47,7 @@ def single_prompt_cases(model, tok, sizes=(1, 5, 10)) -> list[Case]:
     prompts = fresh_prompts(tok)
     ctx = context_length(model)
     eos_prompt = torch.cat([prompts[1], torch.tensor([[tok.eos_token_id]]), prompts[3]], 1)
-    want = hf_greedy(model, prompts[2], 12)
+    want = reference_greedy(model, prompts[2], 12)
     return ([Case(f"grader text {i}", p, n) for i, p in enumerate(prompts[:3]) for n in sizes[i % 2:]]
             + [Case("a one-token prompt", synthetic(1, tok.vocab_size), 7),
                Case("max_new_tokens=0", prompts[0], 0),
@@ -122,7 +121,7 @@ def check_naive_generate(naive_generate) -> None:
 
     def grade(case: Case) -> None:
         T, n = case.prompt.shape[1], case.n
-        want = hf_greedy(model, case.prompt, n, use_cache=False)
+        want = reference_greedy(model, case.prompt, n, use_cache=False)
         before = case.prompt.clone()
         with guard.case(case.eos) as mine:
             out = learner_call(NAME, f"{case.name}: naive_generate(model, <[1, {T}] prompt>, {n})",
@@ -177,7 +176,7 @@ _SAMPLING_MISTAKES = [
 
 def _diagnose_sampling(model, out, case) -> str:
     prompt, n, seed, t, k = case
-    greedy = hf_greedy(model, prompt, n, use_cache=False)
+    greedy = reference_greedy(model, prompt, n, use_cache=False)
     if torch.equal(out, greedy):
         return ("these are the GREEDY tokens: sample with torch.multinomial(probs, 1), do not take "
                 "argmax")

@@ -18,10 +18,9 @@ from __future__ import annotations
 
 import torch
 
-from ..generate import hf_greedy
 from ._common import (Call, LearnerModel, check_generated_ids, expect_value_error, fail,
-                      fresh_prompts,
-                      grading_model, learner_call, passed, run_cases, stopped_early)
+                      fresh_prompts, grading_model, learner_call, passed, reference_greedy, run_cases,
+                      stopped_early)
 from .lab01 import Case, compare_tokens, grading_eos, single_prompt_cases
 
 NAME = "check_cached_generate"
@@ -93,7 +92,7 @@ def check_cached_generate(cached_generate) -> None:
 
     def grade(case: Case) -> None:
         T, n = case.prompt.shape[1], case.n
-        want = hf_greedy(model, case.prompt, n)
+        want = reference_greedy(model, case.prompt, n)
         before = case.prompt.clone()
         with guard.case(case.eos, on_call=watch(T, n)) as mine:
             out = learner_call(NAME, f"{case.name}: cached_generate(model, <[1, {T}] prompt>, {n})",
@@ -126,7 +125,7 @@ def hf_until(model, prompt, n, eos):
 
 def _until_cases(model, tok):
     p = fresh_prompts(tok)
-    greedy = hf_greedy(model, p[2], 10)
+    greedy = reference_greedy(model, p[2], 10)
     T = p[2].shape[1]
     first, later, never = int(greedy[0, T]), grading_eos(greedy, T, 3), tok.vocab_size - 1
     in_prompt = int(p[0][0, 2])

@@ -16,10 +16,9 @@ import copy
 
 import torch
 
-from ..generate import hf_greedy
 from ..memory import context_length
 from ._common import (GRADER_TEXTS, LearnerModel, expect_value_error, fail, grading_model,
-                      grading_tokenizer, learner_call, passed)
+                      grading_tokenizer, learner_call, passed, reference_greedy)
 
 NAME_BATCH = "check_make_batch"
 NAME_GEN = "check_batched_generate"
@@ -311,7 +310,7 @@ def _gen_cases(model, tok):
              ("max_new_tokens=0", _MIXED[:2], 0, None),
              ("the pad / end-of-text token inside a prompt", [_WITH_PAD, g[1]], 4, None)]
     ids = torch.tensor([tok(GRADER_TEXTS[3]).input_ids])
-    early = int(hf_greedy(model, ids, 2)[0, -1])        # row 0's second new token ends its text
+    early = int(reference_greedy(model, ids, 2)[0, -1])     # row 0's 2nd new token ends its text
     cases.append(("one row reaches end-of-text early", [GRADER_TEXTS[3], GRADER_TEXTS[0]], 6, early))
     return cases
 
@@ -326,7 +325,7 @@ def check_batched_generate(batched_generate) -> None:
 
     def alone(row, n):
         if (row, n) not in memo:
-            memo[row, n] = hf_greedy(model, torch.tensor([row]), n)[0, len(row):].tolist()
+            memo[row, n] = reference_greedy(model, torch.tensor([row]), n)[0, len(row):].tolist()
         return memo[row, n]
 
     for name, prompts, n, eos in cases:
@@ -363,8 +362,8 @@ NAME_UNTIL = "check_batched_generate_until"
 def _until_cases(model, tok):
     """(name, prompts, n, grading-only eos id): rows end at different steps, or never."""
     ids = torch.tensor([tok(GRADER_TEXTS[3]).input_ids])
-    second = int(hf_greedy(model, ids, 2)[0, -1])             # row 0's 2nd new token
-    alone = [hf_greedy(model, torch.tensor([tok(t).input_ids]), 1)[0, -1] for t in _MIXED[:2]]
+    second = int(reference_greedy(model, ids, 2)[0, -1])             # row 0's 2nd new token
+    alone = [reference_greedy(model, torch.tensor([tok(t).input_ids]), 1)[0, -1] for t in _MIXED[:2]]
     three = [GRADER_TEXTS[3], GRADER_TEXTS[0], GRADER_TEXTS[4]]
     return [("row 0 ends early, the others go on", three,
              6, second),
