@@ -41,20 +41,21 @@ def grading_eos(want: torch.Tensor, T: int, at: int = 2) -> int:
     return seq[T + at]
 
 
-def single_prompt_cases(model, tok, sizes=(1, 5, 10)) -> list[Case]:
+def single_prompt_cases(model, tok, sizes=(1, 4, 9)) -> list[Case]:
     """The contract's edges: a 1-token prompt, max_new_tokens=0, the context filled exactly, the
     pad/eos id inside a prompt, and a grading-only end-of-text id the model emits."""
     prompts = fresh_prompts(tok)
     ctx = context_length(model)
     eos_prompt = torch.cat([prompts[1], torch.tensor([[tok.eos_token_id]]), prompts[3]], 1)
-    want = reference_greedy(model, prompts[2], 12)
-    return ([Case(f"grader text {i}", p, n) for i, p in enumerate(prompts[:3]) for n in sizes[i % 2:]]
-            + [Case("a one-token prompt", synthetic(1, tok.vocab_size), 7),
-               Case("max_new_tokens=0", prompts[0], 0),
-               Case("a prompt that fills the context exactly", synthetic(ctx - 2, tok.vocab_size), 2),
-               Case("a prompt with the end-of-text/pad id inside it", eos_prompt, 7),
-               Case("a model whose end-of-text id comes up", prompts[2], 12,
-                    grading_eos(want, prompts[2].shape[1]))])
+    want = reference_greedy(model, prompts[2], 8)
+    texts = [Case(f"grader text {i}", p, n) for i, p in enumerate(prompts[:3]) for n in sizes[i % 2:]]
+    return texts + [
+        Case("a one-token prompt", synthetic(1, tok.vocab_size), 6),
+        Case("max_new_tokens=0", prompts[0], 0),
+        Case("a prompt that fills the context exactly", synthetic(ctx - 2, tok.vocab_size), 2),
+        Case("a prompt with the end-of-text/pad id inside it", eos_prompt, 5),
+        Case("a model whose end-of-text id comes up", prompts[2], 8,
+             grading_eos(want, prompts[2].shape[1]))]
 
 
 @torch.no_grad()
