@@ -150,7 +150,7 @@ def test_accepts_reference(capsys):
 @pytest.mark.parametrize("impl, needles", [
     (attention_no_mask, ["no causal mask"]),
     (attention_mask_ignores_past, ["ignores past_len"]),
-    (attention_is_causal_flag, ["ignores past_len"]),
+    (attention_is_causal_flag, ["do not call scaled_dot_product_attention"]),
     (attention_scale_1_over_d, ["scale", "sqrt(D)"]),
     (attention_no_scale, ["not scaled"]),
     (attention_batch_one, ["batch"]),
@@ -243,3 +243,10 @@ def test_cache_bytes_prediction():
     expect_rejected(lambda c: check_cache_bytes_prediction(c, 12 * 12 * 1024 * 64 * 4),
                     PreallocatedCache, "you predicted", "0.5 times")
     expect_rejected(lambda c: check_cache_bytes_prediction(c, 1.2e8), PreallocatedCache, "int")
+
+
+def test_chapter_3_sdpa_attention_does_not_pass():
+    """Chapter 3 shows sdpa_attention (correct, fused): pasting it must not pass the exercise."""
+    from kvlab.gpt2 import sdpa_attention
+
+    expect_rejected(check_attention, sdpa_attention, "scaled_dot_product_attention")

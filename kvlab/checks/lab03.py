@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -306,10 +307,26 @@ _ATTENTION_CASES = [(2, 3, 6, 0, 8), (2, 3, 1, 9, 8), (3, 2, 4, 5, 16), (1, 4, 7
                     (2, 1, 3, 2, 8)]
 
 
+@contextmanager
+def _no_fused_attention():
+    """The exercise is the arithmetic and the mask: PyTorch's fused attention is refused inside it."""
+    import torch.nn.functional as F
+
+    def refuse(*args, **kwargs):
+        raise fail(NAME_ATTENTION, "do not call scaled_dot_product_attention: the exercise is to "
+                                   "write softmax(q @ k^T / sqrt(D) + mask) @ v and the mask yourself")
+    inner, F.scaled_dot_product_attention = F.scaled_dot_product_attention, refuse
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention = inner
+
+
 def _attention_output(attention, q, k, v, past, where):
     saved = [t.clone() for t in (q, k, v)]
-    out = learner_call(NAME_ATTENTION, f"{where}: attention(q, k, v, {past})" + (
-        " (does it only work for batch 1?)" if q.shape[0] > 1 else ""), attention, q, k, v, past)
+    with _no_fused_attention():
+        out = learner_call(NAME_ATTENTION, f"{where}: attention(q, k, v, {past})" + (
+            " (does it only work for batch 1?)" if q.shape[0] > 1 else ""), attention, q, k, v, past)
     if not all(torch.equal(a, b) for a, b in zip((q, k, v), saved)):
         raise fail(NAME_ATTENTION, f"{where}: attention modified its inputs in place; compute new "
                                    "tensors")
