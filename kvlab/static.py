@@ -213,7 +213,8 @@ class StaticDecoder:
 
 
 def _tensors_of(obj):
-    """Every tensor an object holds directly or in a list/tuple attribute (to mark them static)."""
+    """Every tensor an object holds directly or in a list, tuple or dict attribute (to mark them static)."""
     for value in vars(obj).values():
-        items = value if isinstance(value, (list, tuple)) else [value]
+        items = list(value.values()) if isinstance(value, dict) else value
+        items = items if isinstance(items, (list, tuple)) else [items]
         yield from (t for t in items if isinstance(t, torch.Tensor))
