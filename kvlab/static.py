@@ -21,6 +21,7 @@ step means a new graph (or a guard that fails) every step. Production engines fi
 from __future__ import annotations
 
 import math
+import time
 from typing import Callable
 
 import torch
@@ -218,3 +219,56 @@ def _tensors_of(obj):
         items = list(value.values()) if isinstance(value, dict) else value
         items = items if isinstance(items, (list, tuple)) else [items]
         yield from (t for t in items if isinstance(t, torch.Tensor))
+
+
+def time_first_call(fn, device) -> float:
+    """Seconds of ONE call of ``fn``, the one that compiles. ``torch.utils.benchmark`` cannot time it: it
+    warms up before measuring, and the warm-up is exactly the compilation. So: a wall clock around a
+    single call, the device synchronised before and after (CUDA runs asynchronously)."""
+    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
+    sync()
+    start = time.perf_counter()
+    fn()
+    sync()
+    return time.perf_counter() - start
+
+
+def break_even_tokens(compile_seconds: float, eager_per_token: float, compiled_per_token: float):
+    """After how many generated tokens compiling has paid for itself (``None``: it never does)."""
+    gain = eager_per_token - compiled_per_token
+    return compile_seconds / gain if gain > 0 else None
+
+
+# ---------------------------------------------------------------------------------------------------
+# transformers' way: StaticCache + torch.compile inside generate
+
+
+def hf_compile_config(device, backend="inductor", mode: str | None = None):
+    """A transformers ``CompileConfig`` for ``generate``: ``reduce-overhead`` (CUDA graphs) on CUDA,
+    inductor's default mode elsewhere. transformers compiles the decode step by itself only on
+    accelerators; its ``_compile_all_devices`` flag (meant for exactly this) asks it to on a CPU too."""
+    from transformers import CompileConfig
+
+    device = torch.device(device)
+    if mode is None:
+        mode = "reduce-overhead" if device.type == "cuda" else "default"
+    config = CompileConfig(backend=backend, mode=mode, fullgraph=True, dynamic=False)
+    config._compile_all_devices = device.type != "cuda"
+    return config
+
+
+@torch.no_grad()
+def hf_static_generate(model, input_ids, max_new_tokens: int, compile_config=None) -> torch.Tensor:
+    """transformers' greedy ``generate`` with ``cache_implementation="static"``; the decode step compiled
+    with ``compile_config`` (see :func:`hf_compile_config`), or eager when it is ``None`` (on a GPU
+    transformers would otherwise compile it on its own). Pass the same config object every call: a
+    new one means a new compilation."""
+    from .generate import check_inputs
+
+    ids = check_inputs(model, input_ids, max_new_tokens)
+    if max_new_tokens == 0:
+        return ids
+    how = {"compile_config": compile_config} if compile_config is not None else {"disable_compile": True}
+    return model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                          max_new_tokens=max_new_tokens, eos_token_id=None,
+                          pad_token_id=model.config.eos_token_id, cache_implementation="static", **how)
