@@ -21,6 +21,10 @@ step means a new graph (or a guard that fails) every step. Production engines fi
 from __future__ import annotations
 
 import math
+import os
+import shutil
+import subprocess
+import sys
 import time
 from typing import Callable
 
@@ -219,6 +223,17 @@ def _tensors_of(obj):
         items = list(value.values()) if isinstance(value, dict) else value
         items = items if isinstance(items, (list, tuple)) else [items]
         yield from (t for t in items if isinstance(t, torch.Tensor))
+
+
+def cpu_compiler() -> str:
+    """The C++ compiler inductor builds its CPU kernels with (``$CXX``, else ``g++``; ``clang++`` on
+    macOS) and its version. ``torch.compile`` on a CPU writes C++ and needs one: without it, say so."""
+    cxx = os.environ.get("CXX", "clang++" if sys.platform == "darwin" else "g++")
+    if shutil.which(cxx) is None:
+        raise RuntimeError(f"torch.compile on a CPU needs a C++ compiler and '{cxx}' is not installed: install "
+                           "g++ (Debian/Ubuntu: apt-get install g++) or point CXX at another one")
+    version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout.splitlines()
+    return f"{cxx} ({version[0] if version else 'unknown version'})"
 
 
 def time_first_call(fn, device) -> float:
