@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from .cache import Cache
+from .generate import check_inputs
 
 
 class StaticCache(Cache):
@@ -123,10 +124,10 @@ def static_attention_explicit(q, k, v, pos):
 
 
 def forward_static(model, input_ids, cache, pos, attention_fn: Callable = static_attention):
-    """The hand-built GPT-2's forward (``kvlab.gpt2.GPT2``) with a static cache: the ``T`` new tokens
-    sit at positions ``pos .. pos+T-1`` (``pos`` a 0-d tensor). Returns the last position's logits
-    ``[B, vocab]``. The same blocks and weights as ``GPT2.forward``; only where the position comes from
-    and what the cache returns differ."""
+    """The hand-built GPT-2's forward (``kvlab.gpt2.GPT2``) with a static cache (chapter 8): the ``T``
+    new tokens sit at positions ``pos .. pos+T-1`` (``pos`` a 0-d tensor). Returns the last position's
+    logits ``[B, vocab]``. The same blocks and weights as ``GPT2.forward``; only where the position
+    comes from and what the cache returns differ."""
     B, T = input_ids.shape
     cfg = model.config
     C, H, D = cfg.n_embd, cfg.n_head, cfg.head_dim
@@ -191,10 +192,8 @@ class StaticDecoder:
 
     @torch.no_grad()
     def generate(self, input_ids, max_new_tokens: int) -> torch.Tensor:
-        """Greedy tokens ``[B, T + max_new_tokens]``, equal to ``kvlab.gpt2.generate``'s."""
-        from .gpt2 import check_inputs
-
-        ids = check_inputs(self.model, input_ids, max_new_tokens)
+        """Greedy tokens ``[B, T + max_new_tokens]``, equal to ``kvlab.gpt2.generate``'s (chapter 8)."""
+        ids = check_inputs(self.model, input_ids, max_new_tokens, batched=True)
         B, T = ids.shape
         if B != self.batch_size:
             raise ValueError(f"this decoder's cache was made for batch_size={self.batch_size}, got {B} prompts")
@@ -259,9 +258,10 @@ def break_even_tokens(compile_seconds: float, eager_per_token: float, compiled_p
 
 
 def hf_compile_config(device, backend="inductor", mode: str | None = None):
-    """A transformers ``CompileConfig`` for ``generate``: ``reduce-overhead`` (CUDA graphs) on CUDA,
-    inductor's default mode elsewhere. transformers compiles the decode step by itself only on
-    accelerators; its ``_compile_all_devices`` flag (meant for exactly this) asks it to on a CPU too."""
+    """A transformers ``CompileConfig`` for ``generate`` (chapter 8): ``reduce-overhead`` (CUDA
+    graphs) on CUDA, inductor's default mode elsewhere. transformers compiles the decode step by itself
+    only on accelerators; its ``_compile_all_devices`` flag (meant for exactly this) asks it to on a
+    CPU too."""
     from transformers import CompileConfig
 
     device = torch.device(device)
@@ -274,12 +274,10 @@ def hf_compile_config(device, backend="inductor", mode: str | None = None):
 
 @torch.no_grad()
 def hf_static_generate(model, input_ids, max_new_tokens: int, compile_config=None) -> torch.Tensor:
-    """transformers' greedy ``generate`` with ``cache_implementation="static"``; the decode step compiled
-    with ``compile_config`` (see :func:`hf_compile_config`), or eager when it is ``None`` (on a GPU
-    transformers would otherwise compile it on its own). Pass the same config object every call: a
-    new one means a new compilation."""
-    from .generate import check_inputs
-
+    """transformers' greedy ``generate`` with ``cache_implementation="static"`` (chapter 8); the decode
+    step compiled with ``compile_config`` (see :func:`hf_compile_config`), or eager when it is ``None``
+    (on a GPU transformers would otherwise compile it on its own). transformers keeps the compiled
+    step on the model and compiles again only for a config with other settings, or new shapes."""
     ids = check_inputs(model, input_ids, max_new_tokens)
     if max_new_tokens == 0:
         return ids
