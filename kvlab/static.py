@@ -64,8 +64,8 @@ class StaticCache(Cache):
         T = k.shape[2]
         if k.shape[:2] != (self.batch_size, self.n_head) or k.shape[3] != self.head_dim or v.shape != k.shape:
             raise ValueError(
-                f"cache holds [batch={self.batch_size}, heads={self.n_head}, max_len, head_dim={self.head_dim}] "
-                f"but got keys {list(k.shape)} and values {list(v.shape)}")
+                f"cache holds [batch={self.batch_size}, heads={self.n_head}, max_len, "
+                f"head_dim={self.head_dim}] but got keys {list(k.shape)} and values {list(v.shape)}")
         if T > self.max_len:
             raise ValueError(f"{T} new tokens do not fit a cache of max_len={self.max_len}")
         # Where the new tokens go, as a tensor: reading `pos` back as an int would break the graph.
@@ -160,16 +160,19 @@ class StaticDecoder:
         self.batch_size = batch_size
         self.max_len = max_len or cfg.n_positions
         if self.max_len > cfg.n_positions:
-            raise ValueError(f"max_len={self.max_len} exceeds GPT-2's context of n_positions={cfg.n_positions}")
+            raise ValueError(f"max_len={self.max_len} exceeds GPT-2's context of "
+                             f"n_positions={cfg.n_positions}")
         self.cache = cache_cls(cfg.n_layer, batch_size, cfg.n_head, cfg.head_dim, self.max_len, p.dtype,
                                p.device)
         mark_static([t for t in _tensors_of(self.cache)])
         # The decoder owns the position (the lab's caches do not track one): a 0-d tensor on the
         # model's device, advanced in place, so the compiled step sees the same input every time.
         self.pos = torch.zeros((), dtype=torch.long, device=p.device)
-        mark_static([self.pos])
+        self.ids = torch.zeros(batch_size, 1, dtype=torch.long, device=p.device)   # the step's input
+        mark_static([self.pos, self.ids])
         self.step = self._step
         self.compiled = False
+        self.cuda_graphs = False
 
     def _step(self, ids, pos):
         """One decode step: ids ``[B, 1]`` at position ``pos`` -> the greedy next ids ``[B]``."""
@@ -188,6 +191,7 @@ class StaticDecoder:
             opts["mode"] = mode
         self.step = torch.compile(self._step, **opts)
         self.compiled = True
+        self.cuda_graphs = mode == "reduce-overhead" and self.pos.device.type == "cuda"
         return self
 
     @torch.no_grad()
@@ -196,7 +200,8 @@ class StaticDecoder:
         ids = check_inputs(self.model, input_ids, max_new_tokens, batched=True)
         B, T = ids.shape
         if B != self.batch_size:
-            raise ValueError(f"this decoder's cache was made for batch_size={self.batch_size}, got {B} prompts")
+            raise ValueError(f"this decoder's cache was made for batch_size={self.batch_size}, "
+                             f"got {B} prompts")
         if T + max_new_tokens > self.max_len:
             raise ValueError(f"prompt {T} + {max_new_tokens} new tokens exceeds the static cache's "
                              f"max_len={self.max_len}: make the decoder with a larger max_len")
@@ -211,7 +216,10 @@ class StaticDecoder:
         for t in range(T, T + max_new_tokens):
             out[:, t] = nxt
             if t + 1 < T + max_new_tokens:
-                nxt = self.step(nxt[:, None], self.pos)     # the same graph for every step
+                if self.cuda_graphs:   # a new step: the graph may reuse its previous output's memory
+                    torch.compiler.cudagraph_mark_step_begin()
+                self.ids.copy_(nxt[:, None])            # inputs at fixed addresses: nothing to copy in
+                nxt = self.step(self.ids, self.pos)     # the same graph for every step
                 self.pos += 1
         return out
 
@@ -229,8 +237,8 @@ def cpu_compiler() -> str:
     macOS) and its version. ``torch.compile`` on a CPU writes C++ and needs one: without it, say so."""
     cxx = os.environ.get("CXX", "clang++" if sys.platform == "darwin" else "g++")
     if shutil.which(cxx) is None:
-        raise RuntimeError(f"torch.compile on a CPU needs a C++ compiler and '{cxx}' is not installed: install "
-                           "g++ (Debian/Ubuntu: apt-get install g++) or point CXX at another one")
+        raise RuntimeError(f"torch.compile on a CPU needs a C++ compiler and '{cxx}' is not installed: "
+                           "install g++ (Debian/Ubuntu: apt-get install g++) or point CXX at another one")
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout.splitlines()
     return f"{cxx} ({version[0] if version else 'unknown version'})"
 

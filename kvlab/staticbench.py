@@ -51,7 +51,8 @@ def graphs_compiled(model: gpt2.GPT2, prompt, steps: int, how: str) -> dict:
         else:
             dynamic = None if how.endswith("None") else False
             cache = model.new_cache(1, max_len=T + steps + 1)
-            fwd = torch.compile(lambda ids: model(ids, cache, last_only=True), backend=counter, dynamic=dynamic)
+            fwd = torch.compile(lambda ids: model(ids, cache, last_only=True), backend=counter,
+                                dynamic=dynamic)
             nxt = model(prompt, cache, last_only=True)[:, -1].argmax(-1, keepdim=True)
             for _ in range(steps):
                 nxt = fwd(nxt)[:, -1].argmax(-1, keepdim=True)
@@ -72,6 +73,34 @@ def _generators(hf, ours, prompt, new_tokens, device):
                                lambda: dec.generate(prompt, new_tokens))))
 
 
+def _check_tokens(runs, hf, prompt_len, new_tokens) -> None:
+    reference = runs[EAGER_HF]()
+    for name, fn in runs.items():          # a fast wrong generator is not a result
+        if not torch.equal(fn(), reference):
+            raise RuntimeError(f"{name} does not reproduce transformers' greedy tokens")
+    print(f"{getattr(hf, 'kvlab_name', '?')}: all {len(runs)} generators give transformers' greedy "
+          f"tokens ({new_tokens} new after a prompt of {prompt_len})")
+
+
+def _rows(hf, res, first, matvec, m, prompt_len, new_tokens) -> list[dict]:
+    device = next(hf.parameters()).device
+    n, bw, fl = new_tokens, m["bandwidth"], m["flops"]
+    floor = roofline.generation_floor(hf, 1, prompt_len, n, bw, fl) / n
+    rows = []
+    for name, t in res.items():
+        r = dict(model=getattr(hf, "kvlab_name", "?"), threads=m["threads"], device=device.type,
+                 generator=name, per_token=t.median / n, floor_per_token=floor,
+                 ratio=t.median / n / floor, new_tokens=n, prompt_len=prompt_len, compile_s=None,
+                 break_even=None, matvec_per_token=matvec, weight_s=roofline.weight_bytes(hf) / bw,
+                 static_floor=static_floor(hf, prompt_len + n, bw, fl))
+        if name in TWIN:
+            r["compile_s"] = max(first[name] - t.median, 0.0)
+            r["break_even"] = static.break_even_tokens(r["compile_s"], res[TWIN[name]].median / n,
+                                                       t.median / n)
+        rows.append(r)
+    return rows
+
+
 def measure(hf, prompt_len: int, new_tokens: int, threads: int | None = None, repeats: int = 3,
             ours=None, progress: bool = True) -> list[dict]:
     """Time the four generators on ``hf`` (interleaved, medians) after compiling the two compiled
@@ -87,32 +116,13 @@ def measure(hf, prompt_len: int, new_tokens: int, threads: int | None = None, re
     prompt = torch.randint(0, hf.config.vocab_size, (1, prompt_len), generator=g).to(device)
     runs = _generators(hf, ours, prompt, new_tokens, device)
     first = {name: static.time_first_call(runs[name], device) for name in TWIN}
-    reference = runs[EAGER_HF]()
-    for name, fn in runs.items():          # a fast wrong generator is not a result
-        if not torch.equal(fn(), reference):
-            raise RuntimeError(f"{name} does not reproduce transformers' greedy tokens")
-    print(f"{getattr(hf, 'kvlab_name', '?')}: all {len(runs)} generators give transformers' greedy tokens "
-          f"({new_tokens} new after a prompt of {prompt_len})")
+    _check_tokens(runs, hf, prompt_len, new_tokens)
     m = roofline.machine(device, roofline.model_dtype(hf), verbose=False)
-    floor = roofline.generation_floor(hf, 1, prompt_len, new_tokens, m["bandwidth"], m["flops"]) / new_tokens
     products = matvec_fn(ours)             # timed with the generators, under the same conditions
     res = timing.compare({**runs, "matvec": lambda: [products() for _ in range(new_tokens)]}, warmup=0,
                          repeats=repeats, progress=progress)
     matvec = res.pop("matvec").median / new_tokens
-    rows = []
-    for name, t in res.items():
-        row = dict(model=getattr(hf, "kvlab_name", "?"), threads=m["threads"], device=device.type,
-                   generator=name, per_token=t.median / new_tokens, floor_per_token=floor,
-                   ratio=t.median / new_tokens / floor, new_tokens=new_tokens, prompt_len=prompt_len,
-                   compile_s=None, break_even=None, matvec_per_token=matvec, bandwidth=m["bandwidth"],
-                   flops=m["flops"], weight_s=roofline.weight_bytes(hf) / m["bandwidth"],
-                   static_floor=static_floor(hf, prompt_len + new_tokens, m["bandwidth"], m["flops"]))
-        if name in TWIN:
-            row["compile_s"] = max(first[name] - t.median, 0.0)
-            row["break_even"] = static.break_even_tokens(row["compile_s"], res[TWIN[name]].median / new_tokens,
-                                                         t.median / new_tokens)
-        rows.append(row)
-    return rows
+    return _rows(hf, res, first, matvec, m, prompt_len, new_tokens)
 
 
 def print_rows(rows: list[dict]) -> None:
@@ -131,8 +141,7 @@ def plot_rows(rows: list[dict], ax) -> None:
     groups = list(dict.fromkeys((r["model"], r["threads"]) for r in rows))
     width = 0.8 / len(VARIANTS)
     for j, gen in enumerate(VARIANTS):
-        ys = [next(r["per_token"] for r in rows if (r["model"], r["threads"]) == grp and r["generator"] == gen)
-              for grp in groups]
+        ys = [row(rows, grp[0], gen, grp[1])["per_token"] for grp in groups]
         ax.bar([i + (j - 1.5) * width for i in range(len(groups))], [y * 1e3 for y in ys], width, label=gen,
                hatch="//" if gen in TWIN else None)
     for i, grp in enumerate(groups):
@@ -181,8 +190,9 @@ def fastest_sentence(rows, model) -> str:
     mine = [r for r in rows if r["model"] == model]
     best = min(mine, key=lambda r: r["per_token"])
     base = row(mine, model, EAGER_HF)
-    return (f"On {model} ({best['threads']} thread{'s' * (best['threads'] > 1)}, {best['device']}) the fastest is "
-            f"'{best['generator']}': {best['per_token'] * 1e3:.3f} ms per token, "
+    where = f"{best['threads']} thread{'s' * (best['threads'] > 1)}, {best['device']}"
+    return (f"On {model} ({where}) the fastest is '{best['generator']}': "
+            f"{best['per_token'] * 1e3:.3f} ms per token, "
             f"{base['per_token'] / best['per_token']:.2f}x transformers' eager generate and "
             f"{best['ratio']:.2f}x the floor.")
 
@@ -192,8 +202,8 @@ def compile_sentence(rows, model) -> str:
     for name, twin in TWIN.items():
         r, e = row(rows, model, name), row(rows, model, twin)
         speed = e["per_token"] / r["per_token"]
-        when = (f"pays for its {r['compile_s']:.1f} s of compilation after about {r['break_even']:,.0f} tokens"
-                if r["break_even"] is not None else
+        when = (f"pays for its {r['compile_s']:.1f} s of compilation after about "
+                f"{r['break_even']:,.0f} tokens" if r["break_even"] is not None else
                 f"never pays for its {r['compile_s']:.1f} s of compilation here (it is not faster)")
         parts.append(f"'{name}' runs at {speed:.2f}x '{twin}' and {when}")
     return f"On {model}: " + "; ".join(parts) + "."
@@ -223,7 +233,8 @@ def remains_sentences(rows, model) -> list[str]:
         f"{r['floor_per_token'] * 1e3:.3f} ms ({r['ratio']:.2f}x)",
         f"  matrix products alone: {mv * 1e3:.3f} ms, {mv / r['weight_s']:.2f}x the time to read the weights "
         f"once at copy bandwidth; {min(mv / step, 1):.0%} of the compiled step",
-        f"  floor if attention reads all {slots} slots of the static buffers: {r['static_floor'] * 1e3:.3f} ms, "
+        f"  floor if attention reads all {slots} slots of the static buffers: "
+        f"{r['static_floor'] * 1e3:.3f} ms, "
         f"{r['static_floor'] / r['floor_per_token'] - 1:+.1%} on the floor of the filled cache",
         f"  the rest (attention, norms, embeddings, argmax, the loop and its guards): {rest * 1e3:.3f} ms, "
         f"{rest / step:.0%} of the step",
