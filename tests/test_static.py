@@ -105,3 +105,20 @@ def test_compiled_inductor_same_tokens(ours, tiny):
     dec = StaticDecoder(ours, batch_size=1, max_len=32).compile()
     ids = tiny[1]("The LORD is my shepherd", return_tensors="pt").input_ids
     assert torch.equal(dec.generate(ids, 20), generate(ours, ids, 20))
+
+
+def test_break_even_and_first_call():
+    from kvlab.static import break_even_tokens, cpu_compiler, time_first_call
+
+    assert break_even_tokens(10.0, 0.003, 0.001) == pytest.approx(5000)   # 10 s / 2 ms saved per token
+    assert break_even_tokens(10.0, 0.001, 0.002) is None                  # slower: never pays off
+    assert 0 <= time_first_call(lambda: torch.ones(3).sum(), "cpu") < 5
+    assert cpu_compiler()                                                 # the build machine has one
+
+
+def test_no_compiler_is_a_clear_error(monkeypatch):
+    from kvlab.static import cpu_compiler
+
+    monkeypatch.setenv("CXX", "no-such-compiler-kvlab")
+    with pytest.raises(RuntimeError, match="needs a C\\+\\+ compiler"):
+        cpu_compiler()
