@@ -12,6 +12,8 @@ export PYTHONHASHSEED  ?= 0
 # Kernels must use matplotlib's inline backend, or the book's figures vanish silently.
 unexport MPLBACKEND
 export TOKENIZERS_PARALLELISM ?= false
+# hqq (chapter 5) builds optional CUDA kernels at install time otherwise; its PyTorch path needs none.
+export DISABLE_CUDA ?= 1
 
 .PHONY: book test venv labs labs-check clean clean-book unit notebooks build-strict bench cxx
 

@@ -42,7 +42,7 @@ def positions_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     """Position ids of a left-padded batch: 0, 1, 2, ... over each row's real tokens.
 
     ``cumsum - 1`` counts the real tokens before each column; on the left pads it gives -1, which we
-    clamp to 0 (transformers' ``generate`` writes 1 there instead). The value is irrelevant as long as
+    clamp to 0 (transformers 5.24's ``generate`` writes 0 there too, with ``masked_fill``). The value is irrelevant as long as
     it is a valid index into the position embedding: no real token attends to a pad, and a pad's own
     logits are never read.
     """

@@ -104,6 +104,12 @@ class PreallocatedCache(Cache):
     def reset(self):
         self._len = 0  # the buffers stay allocated; stale entries are simply never read again
 
+    def truncate(self, length: int) -> None:
+        """Forget every token from position ``length`` on (a pointer move: nothing is copied)."""
+        if not 0 <= length <= self._len:
+            raise ValueError(f"length must be between 0 and the {self._len} tokens held, got {length}")
+        self._len = length
+
     @property
     def nbytes(self):
         return tensor_bytes(self.keys, self.values)
@@ -150,8 +156,11 @@ class SlidingWindowCache(Cache):
     the text is longer than the window. GPT-2 was never trained like this; here it is a way to see
     what a window costs, not a recipe (models such as Mistral are trained with one).
 
-    ``update`` returns the held tokens followed by the new ones, so a new token attends to the
-    ``window`` tokens before it plus itself; the model takes ``past_len`` from the keys it gets back.
+    ``update`` returns the held tokens followed by the new ones, so a decode step attends to the
+    ``window`` tokens before it plus itself. The window applies to what is *kept*, not to a chunk's
+    own attention: a prompt longer than the window is prefilled with full causal attention over the
+    whole prompt, and only its last ``window`` tokens are kept for the decode steps. The model takes
+    ``past_len`` from the keys it gets back.
     """
 
     def __init__(self, n_layer: int, window: int):

@@ -98,33 +98,35 @@ def generators_vs_floor(hf, prompt_len: int, new_tokens: int, threads_list=(None
         floor = roofline.generation_floor(hf, 1, prompt_len, new_tokens, m["bandwidth"], m["flops"])
         res = timing.compare(runs, warmup=0, repeats=repeats, progress=False)
         for name, t in res.items():
-            rows.append(dict(model=getattr(hf, "kvlab_name", "?"), threads=m["threads"], generator=name,
+            n = m["threads"]
+            where = f"{n} thread{'s' * (n > 1)}" if device.type == "cpu" else device.type
+            rows.append(dict(model=getattr(hf, "kvlab_name", "?"), threads=n, where=where, generator=name,
                              per_token=t.median / new_tokens, floor_per_token=floor / new_tokens,
                              ratio=t.median / floor, bandwidth=m["bandwidth"], flops=m["flops"]))
     return rows
 
 
 def print_rows(rows: list[dict]) -> None:
-    print(f"{'model':14} {'threads':>7} {'generator':24} {'ms/token':>9} {'floor ms':>9} "
+    print(f"{'model':14} {'where':>9} {'generator':24} {'ms/token':>9} {'floor ms':>9} "
           f"{'measured/floor':>14}   (bandwidth, matmul rate at that thread count)")
     for r in rows:
-        print(f"{r['model']:14} {r['threads']:7d} {r['generator']:24} {r['per_token'] * 1e3:9.3f} "
+        print(f"{r['model']:14} {r['where']:>9} {r['generator']:24} {r['per_token'] * 1e3:9.3f} "
               f"{r['floor_per_token'] * 1e3:9.3f} {r['ratio']:13.1f}x   "
               f"({r['bandwidth'] / 1e9:.1f} GB/s, {r['flops'] / 1e9:.0f} GFLOP/s)")
 
 
 def plot_rows(rows: list[dict], ax) -> None:
     """Measured ms per token (bars) and the floor (black ticks), one group per model and thread count."""
-    groups = list(dict.fromkeys((r["model"], r["threads"]) for r in rows))
+    groups = list(dict.fromkeys((r["model"], r["where"]) for r in rows))
     width = 0.8 / len(GENERATORS)
     for j, gen in enumerate(GENERATORS):
-        ys = [next(r["per_token"] for r in rows if (r["model"], r["threads"]) == grp and r["generator"] == gen)
+        ys = [next(r["per_token"] for r in rows if (r["model"], r["where"]) == grp and r["generator"] == gen)
               for grp in groups]
         ax.bar([i + (j - 1) * width for i in range(len(groups))], [y * 1e3 for y in ys], width, label=gen)
     for i, grp in enumerate(groups):
-        fl = next(r["floor_per_token"] for r in rows if (r["model"], r["threads"]) == grp)
+        fl = next(r["floor_per_token"] for r in rows if (r["model"], r["where"]) == grp)
         ax.hlines(fl * 1e3, i - 0.45, i + 0.45, color="k", lw=2, label="floor" if i == 0 else None)
-    ax.set_xticks(range(len(groups)), [f"{m}\n{t} thread{'s' * (t > 1)}" for m, t in groups], fontsize=8)
+    ax.set_xticks(range(len(groups)), [f"{m}\n{w}" for m, w in groups], fontsize=8)
     ax.set(yscale="log", ylabel="ms per token (log)", title="measured time per token against the floor")
     ax.legend(fontsize=7)
 
@@ -289,13 +291,14 @@ def llc_caveat(rows, cache_bytes) -> str:
 
 
 def shape_sizes_that_fit(device, quick: bool) -> list[str]:
-    """GPT-2 sizes whose timing fits this device and the build's budget: all four on a GPU, the
-    smallest (and in a full build, medium) on a CPU."""
+    """GPT-2 sizes whose timing fits this device and the build's time budget: all four on a GPU (the
+    smallest only in quick mode), GPT-2 small on a CPU (medium alone, three generators at two thread
+    counts, took over ten minutes on the project's shared 2-core build machine)."""
     from .models import GPT2_SIZES
 
     if torch.device(device).type == "cuda":
-        return list(GPT2_SIZES)
-    return ["gpt2"] if quick else ["gpt2", "gpt2-medium"]
+        return ["gpt2"] if quick else list(GPT2_SIZES)
+    return ["gpt2"]
 
 
 def model_table(names, bandwidth: float, flops: float, dtype=torch.float32, seq_len: int = 0) -> list[dict]:
@@ -370,7 +373,8 @@ def knee_sentence(measured, floor) -> str:
         return "Neither the measured step nor the floor reached 1.5x its batch-1 time in this sweep."
     if measured is None or floor is None:
         which = "measured step" if measured is None else "floor"
-        return f"The {which} never reached 1.5x its batch-1 time in this sweep; the other did at batch {measured or floor}."
+        return (f"The {which} never reached 1.5x its batch-1 time in this sweep; the other did at "
+                f"batch {measured or floor}.")
     if measured == floor:
         return f"Both reach 1.5x their batch-1 time at batch {measured}."
     order = "later" if measured > floor else "earlier"

@@ -170,7 +170,9 @@ class QuantizedCache(Cache):
     to ``block - 1`` more) are always exact; every older token is stored as packed codes plus its
     share of scales and zero points.
 
-    ``update`` returns dequantized keys/values (quantized blocks, then the window) for attention;
+    ``update`` returns, for attention, the stored past (dequantized blocks, then the window) followed
+    by the call's own keys/values *in full precision*: a prompt's attention at prefill is exact, and
+    only what is kept for later steps is quantized (as in KIVI and transformers' ``QuantizedCache``).
     ``nbytes`` counts every tensor held: packed codes, scales, zero points and the window.
     """
 
@@ -233,15 +235,28 @@ class QuantizedCache(Cache):
         return new if old is None else tuple(torch.cat([a, b], dim=2) for a, b in zip(old, new))
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor):
-        """Chapter 5: append to the window, quantize its oldest whole blocks, return all (dequantized)."""
+        """Chapter 5: return the stored past (dequantized) and this call's own tokens in full precision,
+        then store the new tokens: append to the window, quantize its oldest whole blocks."""
         T = self._check_update(k, v)
+        # Only what is *stored* is quantized, so a prompt attends to its own exact keys at prefill
+        # (as in KIVI and transformers' QuantizedCache).
+        keys, values = k, v
+        if self._win_k[layer] is not None:
+            keys = torch.cat([self._win_k[layer], k], dim=-2)
+            values = torch.cat([self._win_v[layer], v], dim=-2)
+        if self._qk[layer] is not None:
+            keys = torch.cat([self._dequantize(self._qk[layer], self.key_mode).to(k.dtype), keys], dim=-2)
+            values = torch.cat([self._dequantize(self._qv[layer], self.value_mode).to(v.dtype), values], dim=-2)
+        self._store(layer, k, v)
+        self._advance(layer, T)
+        return keys, values
+
+    def _store(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Append to the window, then quantize its oldest whole blocks while ``residual`` tokens stay exact."""
         B, H, _, D = k.shape
         if self._win_k[layer] is not None:
             k = torch.cat([self._win_k[layer], k], dim=-2)
             v = torch.cat([self._win_v[layer], v], dim=-2)
-        else:   # k, v are views into the model's q/k/v projection: keep copies, not the whole buffer
-            k, v = k.clone(), v.clone()
-        # quantize the oldest whole blocks, as long as `residual` tokens stay behind in full precision
         n = max(0, (k.shape[-2] - self.residual) // self.block)
         if n:
             nq = n * self.block
@@ -249,15 +264,10 @@ class QuantizedCache(Cache):
             vb = v[..., :nq, :].reshape(B, H, n, self.block, D)
             self._qk[layer] = self._append(self._qk[layer], self._quantize(kb, self.key_mode))
             self._qv[layer] = self._append(self._qv[layer], self._quantize(vb, self.value_mode))
-            # .clone(): keep only the window's own bytes, not a view of the bigger tensor
-            k, v = k[..., nq:, :].clone(), v[..., nq:, :].clone()
-        self._win_k[layer], self._win_v[layer] = k, v
-        self._advance(layer, T)
-        if self._qk[layer] is None:
-            return k, v
-        keys = self._dequantize(self._qk[layer], self.key_mode).to(k.dtype)
-        values = self._dequantize(self._qv[layer], self.value_mode).to(v.dtype)
-        return torch.cat([keys, k], dim=-2), torch.cat([values, v], dim=-2)
+            k, v = k[..., nq:, :], v[..., nq:, :]
+        # .clone(): keep only the window's own bytes, never a view of the model's q/k/v projection
+        # or of a bigger tensor
+        self._win_k[layer], self._win_v[layer] = k.clone(), v.clone()
 
     @property
     def nbytes(self) -> int:
@@ -303,10 +313,11 @@ class AbsmaxFakeInt8Cache(Cache):
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor):
         T = self._check_update(k, v)
+        # the stored past comes back rounded, the call's own tokens exact (like QuantizedCache)
+        keys = torch.cat([q * s for (q, s), _ in self._chunks[layer]] + [k], dim=-2)
+        values = torch.cat([q * s for _, (q, s) in self._chunks[layer]] + [v], dim=-2)
         self._chunks[layer].append((absmax_per_tensor_fake_int8(k), absmax_per_tensor_fake_int8(v)))
         self._advance(layer, T)
-        keys = torch.cat([q * s for (q, s), _ in self._chunks[layer]], dim=-2)
-        values = torch.cat([q * s for _, (q, s) in self._chunks[layer]], dim=-2)
         return keys, values
 
     @property
@@ -314,7 +325,33 @@ class AbsmaxFakeInt8Cache(Cache):
         return sum(tensor_bytes(*kc, *vc) for chunks in self._chunks for kc, vc in chunks)
 
 
-# ----------------------------------------------------------------------------- measuring quality
+# ----------------------------------------------------------------------------- measuring outliers and quality
+
+@torch.no_grad()
+def cached_kv(gpt, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values ``[n_layer, heads, tokens, head_dim]`` of one prompt (1-D ids), from a
+    full-precision cache of the hand-built GPT-2 (:class:`kvlab.gpt2.GPT2`)."""
+    cache = gpt.new_cache(1, ids.numel())
+    gpt(ids[None], cache)
+    return cache.keys[:, 0], cache.values[:, 0]
+
+
+def channel_ratio(x: torch.Tensor) -> list[float]:
+    """Per layer, the largest channel's magnitude over the median channel's (``x``: [L, H, T, D])."""
+    per_channel = x.abs().amax(dim=2).flatten(1)          # [L, H * D]: max over tokens
+    return (per_channel.max(1).values / per_channel.median(1).values).tolist()
+
+
+def token_ratio(x: torch.Tensor) -> list[float]:
+    """Per layer, the largest token's magnitude over the median token's (max over channels)."""
+    per_token = x.abs().amax(dim=3).flatten(1)            # [L, H * T]
+    return (per_token.max(1).values / per_token.median(1).values).tolist()
+
+
+def relative_error(x: torch.Tensor, x_hat: torch.Tensor) -> float:
+    """``||x - x_hat|| / ||x||``."""
+    return ((x_hat - x).norm() / x.norm()).item()
+
 
 @torch.no_grad()
 def score_through_cache(forward, cache, ids: torch.Tensor, prefill: int) -> torch.Tensor:

@@ -27,13 +27,12 @@ embedding, read once), the position table counted whole although a step reads on
 from __future__ import annotations
 
 import functools
-import operator
 import statistics
 
 import torch
 import torch.utils.benchmark as benchmark
 
-from .memory import _field, as_dtype, bytes_per_element, kv_cache_bytes, kv_dims
+from .memory import _count, _field, as_dtype, bytes_per_element, kv_cache_bytes, kv_dims
 
 # ---------------------------------------------------------------------------------------------------
 # What the model is made of
@@ -96,16 +95,6 @@ def matmul_weights(model) -> int:
         if id(w) not in seen:
             seen.add(id(w))
             n += w.numel()
-    return n
-
-
-def _count(value, what: str) -> int:
-    try:
-        n = operator.index(value)       # ints and numpy ints; 2.5 rows is a bug upstream
-    except TypeError:
-        raise ValueError(f"{what} must be an integer, got {value!r}") from None
-    if n < 0:
-        raise ValueError(f"{what} must be >= 0, got {n}")
     return n
 
 
@@ -246,7 +235,7 @@ def _meta_by_name(name: str, dtype: torch.dtype):
 def _meta_model(name_or_config, dtype):
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from .memory import all_models
+    from .calculator import all_models
 
     config = name_or_config
     if isinstance(config, str):

@@ -86,3 +86,18 @@ def mutates_input(model, ids, n):
 ])
 def test_rejects(impl, needles):
     expect_rejected(check_naive_generate, impl, *needles)
+
+
+@torch.no_grad()
+def article_a_step_count(model, ids, n):
+    """Article A's loop bound: ``range(max_length - len(input_ids))`` on a ``[1, T]`` tensor. ``len``
+    is the batch size, 1, so the loop runs ``max_length - 1`` steps whatever the prompt's length."""
+    max_length = ids.shape[1] + n
+    for _ in range(max_length - len(ids)):
+        ids = torch.cat([ids, model(ids).logits[:, -1].argmax(-1, keepdim=True)], 1)
+    return ids
+
+
+def test_rejects_article_a_step_count():
+    # right for a one-token prompt (len() happens to equal T), wrong for every longer one
+    expect_rejected(check_naive_generate, article_a_step_count, "prompt of", "expected")

@@ -155,3 +155,24 @@ def test_quantized_cache_generation_matches_full_precision(tiny):
     assert torch.equal(again, q8)
     q2 = generate(gpt, prompts, N, cache=quant.QuantizedCache.from_config(gpt.config, 3, 80 + N, bits=2))
     assert q2.shape == full.shape
+
+
+@pytest.mark.parametrize("bits", [2, 8])
+def test_prefill_attends_to_exact_prompt_then_reads_the_stored_past(tiny, bits):
+    """Only what is stored is quantized: the prefill's logits equal the full-precision cache's exactly
+    (as in KIVI and transformers' QuantizedCache); the next step reads the quantized past."""
+    from kvlab.gpt2 import GPT2
+
+    model, _ = tiny
+    gpt = GPT2.from_hf(model)
+    ids = torch.randint(1, model.config.vocab_size, (2, 70), generator=torch.Generator().manual_seed(5))
+    full = gpt.new_cache(2, 71)
+    caches = [quant.QuantizedCache.from_config(gpt.config, 2, 71, bits=bits, block=32),
+              quant.AbsmaxFakeInt8Cache.from_config(gpt.config, 2, 71)]
+    with torch.no_grad():
+        ref_prefill = gpt(ids[:, :64], full)
+        ref_next = gpt(ids[:, 64:65], full)
+        for c in caches:
+            assert torch.equal(gpt(ids[:, :64], c), ref_prefill), type(c).__name__
+            assert not torch.equal(gpt(ids[:, 64:65], c), ref_next), type(c).__name__
+    assert caches[0].quantized_len == 64

@@ -1,0 +1,109 @@
+"""Sentences computed from measurements, never typed: which variant wins, by how much, on what.
+
+A chapter that writes "A is several times faster than B" is only true on the machine its author
+used. These helpers turn the numbers of the run that builds the page into the sentence, and name
+the device in it, so the page stays true when it is rebuilt on a GPU. Two timings whose samples
+overlap (or whose medians differ by less than ``NOISE``) are reported as *not told apart*: on a
+shared CPU a 10% difference is within the noise of one run.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .models import device_name
+from .timing import Timing
+
+#: Medians closer than this (relative) are not told apart, whatever their samples say.
+NOISE = 0.10
+
+
+def on(device) -> str:
+    """``"on <device>"``, short: the CPU's model name and thread count, or the GPU's name."""
+    name = device_name(device)
+    if torch.device(device).type == "cpu":
+        n = torch.get_num_threads()
+        return f"on this CPU with {n} torch thread{'' if n == 1 else 's'}"
+    return f"on {name}"
+
+
+def told_apart(a: Timing, b: Timing, noise: float = NOISE) -> bool:
+    """True when the medians differ by more than ``noise`` and the samples' ranges do not overlap."""
+    hi, lo = (a, b) if a.median >= b.median else (b, a)
+    if hi.median < (1 + noise) * lo.median:
+        return False
+    return min(hi.samples) > max(lo.samples)
+
+
+def faster(a: Timing, b: Timing, device, name_a: str | None = None, name_b: str | None = None,
+           noise: float = NOISE) -> str:
+    """``"A is 2.3x faster than B on DEVICE"``, or that the two were not told apart."""
+    name_a, name_b = name_a or a.label, name_b or b.label
+    n = min(len(a.samples), len(b.samples))
+    how = f"medians of {n} interleaved runs {on(device)}"
+    if not told_apart(a, b, noise):
+        return (f"{name_a} and {name_b} were not told apart: their timings overlap or differ by less "
+                f"than {noise:.0%} (time ratio {a.median / b.median:.2f}; {how})")
+    win, lose = (name_a, name_b) if a.median < b.median else (name_b, name_a)
+    r = max(a.median, b.median) / min(a.median, b.median)
+    return f"{win} is {r:.2f}x faster than {lose} ({how})"
+
+
+def ratio_word(r: float, noise: float = NOISE) -> str:
+    """A measured ratio in words: ``"2.3x more"``, ``"2.5x less"``, ``"about the same (1.04x)"``."""
+    if abs(r - 1) < noise:
+        return f"about the same ({r:.2f}x)"
+    return f"{r:.1f}x more" if r > 1 else f"{1 / r:.1f}x less"
+
+
+def compare_amounts(x: float, y: float, name_x: str, name_y: str, what: str, device,
+                    noise: float = NOISE) -> str:
+    """``"<what> of X: 3.1x that of Y, on DEVICE"``, for measured amounts (bytes, counts)."""
+    r = x / y
+    if abs(r - 1) < noise:
+        rel = f"about the same as that of {name_y} ({r:.2f}x)"
+    elif r > 1:
+        rel = f"{r:.1f}x that of {name_y}"
+    else:
+        rel = f"{1 / r:.1f}x less than that of {name_y}"
+    return f"{what} of {name_x}: {rel}, {on(device)}"
+
+
+def trend(xs, ys, xname: str, yname: str, device, unit: str = "x") -> str:
+    """How a measured series moves: ``"<yname> rises from 1.4x at N=16 to 4.1x at N=128 on DEVICE"``."""
+    xs, ys = list(xs), list(ys)
+    if len(ys) < 2:
+        return f"{yname} is {ys[0]:.2f}{unit} at {xname}={xs[0]} {on(device)}"
+    first, last = ys[0], ys[-1]
+    verb = ("rises" if last > first * (1 + NOISE) else "falls" if last < first * (1 - NOISE)
+            else "stays level")
+    return (f"{yname} {verb} from {first:.2f}{unit} at {xname}={xs[0]} to {last:.2f}{unit} at "
+            f"{xname}={xs[-1]} {on(device)}")
+
+
+def largest_share(parts: dict[str, float], whole: str, device) -> str:
+    """Which part is largest, and its share: ``"<part> is the largest part of <whole> (62%) on DEVICE"``."""
+    total = sum(parts.values())
+    name = max(parts, key=parts.get)
+    share = parts[name] / total if total else float("nan")
+    return f"{name} is the largest part of {whole} ({share:.0%}) {on(device)}"
+
+
+def quantization(rows: dict, kivi: str, tensor: str, token: str, resid: str, device) -> str:
+    """Chapter 5's comparisons from its rows (``{(name, bits): {"kl", "agree", "ppl_change", "frac"}}``)."""
+    def kl_ratio(name, bits):
+        return ratio_word(rows[name, bits]["kl"] / max(rows[kivi, bits]["kl"], 1e-12))
+
+    lines = [f"measured {on(device)}, against full precision:"]
+    for bits in sorted({b for n, b in rows if n == kivi}, reverse=True):
+        k, r = rows[kivi, bits], rows[resid, bits]
+        lines.append(f"{bits} bits: KIVI KL {k['kl']:.1e}, top-1 {k['agree']:.1%}, ppl {k['ppl_change']:+.2%}, "
+                     f"{k['frac']:.0%} of the fp32 bytes; KL of per tensor: {kl_ratio(tensor, bits)}, "
+                     f"of per-token keys: {kl_ratio(token, bits)} than KIVI's; + residual: KL "
+                     f"{r['kl']:.1e}, ppl {r['ppl_change']:+.2%}, {r['frac']:.0%} of the bytes")
+    for (name, bits), r in rows.items():
+        if name.startswith(("transformers", "article")):
+            lines.append(f"{name}, {bits} bits: KL {r['kl']:.1e}, top-1 {r['agree']:.1%}, "
+                         f"{r['frac']:.0%} of the fp32 bytes (KIVI at {bits} bits: KL "
+                         f"{rows[kivi, bits]['kl']:.1e}, {rows[kivi, bits]['frac']:.0%})")
+    return "\n".join(lines)

@@ -1,0 +1,325 @@
+"""Lab 9 graders: every wrong allocator / gather the issue lists (and more) is rejected with a message
+naming the mistake; unusual correct ones pass."""
+
+import pytest
+import torch
+
+from kvlab.checks import check_block_allocator, check_paged_gather, check_paged_generate
+from kvlab.paged import BlockAllocator, OutOfBlocks, paged_gather
+
+from conftest import expect_rejected
+
+# ---------------------------------------------------------------------------------------------------
+# Correct, but unlike the library's
+
+
+class LifoTupleAllocator:
+    """LIFO free list, highest ids first, tuples for tables, refcounts derived by counting tables,
+    num_free a method, MemoryError when full."""
+
+    def __init__(self, num_blocks, block_size):
+        self.bs, self.free_list, self.tables, self.lens = block_size, list(range(num_blocks)), {}, {}
+
+    def _get(self):
+        if not self.free_list:
+            raise MemoryError("out of KV blocks")
+        return self.free_list.pop()
+
+    def allocate(self, seq_id, num_tokens):
+        need = -(-num_tokens // self.bs)
+        if need > len(self.free_list):
+            raise MemoryError("out of KV blocks")
+        self.tables[seq_id] = tuple(self._get() for _ in range(need))
+        self.lens[seq_id] = num_tokens
+        return self.tables[seq_id]
+
+    def fork(self, parent_id, child_id):
+        self.tables[child_id], self.lens[child_id] = self.tables[parent_id], self.lens[parent_id]  # immutable
+
+    def append_slot(self, seq_id):
+        t, n = self.tables[seq_id], self.lens[seq_id]
+        copy_from = None
+        if n % self.bs == 0:
+            t = t + (self._get(),)
+        elif self.refcount(t[-1]) > 1:
+            copy_from, t = t[-1], t[:-1] + (self._get(),)
+        self.tables[seq_id], self.lens[seq_id] = t, n + 1
+        return t[-1], n % self.bs, copy_from
+
+    def free(self, seq_id):
+        t = self.tables.pop(seq_id)
+        del self.lens[seq_id]
+        for b in set(t):
+            if self.refcount(b) == 0:
+                self.free_list.append(b)
+
+    def block_table(self, seq_id):
+        return self.tables[seq_id]
+
+    def refcount(self, block):
+        return sum(block in t for t in self.tables.values())
+
+    def num_free(self):
+        return len(self.free_list)
+
+
+def gather_loop(pool, block_table, seq_len):
+    bs = pool.shape[2]
+    return torch.stack([pool[block_table[p // bs], :, p % bs] for p in range(seq_len)], dim=1)
+
+
+def gather_index_select(pool, block_table, seq_len):
+    idx = torch.as_tensor(list(block_table))
+    x = pool.index_select(0, idx).transpose(0, 1)               # [H, n, bs, D]
+    return x.flatten(1, 2)[:, :seq_len]
+
+
+def test_library_solution_passes():
+    check_block_allocator(BlockAllocator)
+    check_paged_gather(paged_gather)
+
+
+def test_unusual_correct_allocator_passes():
+    check_block_allocator(LifoTupleAllocator)
+
+
+@pytest.mark.parametrize("gather", [gather_loop, gather_index_select])
+def test_unusual_correct_gathers_pass(gather):
+    check_paged_gather(gather)
+
+
+def test_paged_generate_accepts_correct_pieces(tiny):
+    check_paged_generate(BlockAllocator, paged_gather)
+    check_paged_generate(LifoTupleAllocator, gather_loop)
+
+
+def test_library_allocator_raises_when_full():
+    a = BlockAllocator(2, 4)
+    a.allocate("x", 8)
+    with pytest.raises(OutOfBlocks, match="free"):
+        a.append_slot("x")
+    with pytest.raises(ValueError):
+        BlockAllocator(0, 4)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Wrong allocators, each a one-method change of the library's
+
+
+class FreeWhileShared(BlockAllocator):
+    def free(self, seq_id):
+        for b in self._tables.pop(seq_id):
+            self._refcount[b] = 0
+            self._free.append(b)
+        del self._lengths[seq_id]
+
+
+class NoCopyOnWrite(BlockAllocator):
+    def append_slot(self, seq_id):
+        table, n = self._tables[seq_id], self._lengths[seq_id]
+        if n == len(table) * self.block_size:
+            table.append(self._take(1)[0])
+        self._lengths[seq_id] = n + 1
+        return table[-1], n % self.block_size, None
+
+
+def _boundary_variant(test):
+    class Wrong(BlockAllocator):
+        def append_slot(self, seq_id):
+            table, n = self._tables[seq_id], self._lengths[seq_id]
+            if test(n, len(table) * self.block_size):
+                table.append(self._take(1)[0])
+            self._lengths[seq_id] = n + 1
+            return table[-1], n % self.block_size, None
+    return Wrong
+
+
+NewBlockAtLastSlot = _boundary_variant(lambda n, cap: n + 1 >= cap)   # a block early
+NoNewBlockAtFirstSlot = _boundary_variant(lambda n, cap: n > cap)     # a block late
+
+
+class LeakOnFree(BlockAllocator):
+    def free(self, seq_id):
+        del self._tables[seq_id], self._lengths[seq_id]
+
+
+class LeakOnCopy(BlockAllocator):
+    def append_slot(self, seq_id):
+        table, n = self._tables[seq_id], self._lengths[seq_id]
+        if n < len(table) * self.block_size and self._refcount[table[-1]] > 1:
+            old = table[-1]
+            table[-1] = self._take(1)[0]          # forgets to drop the old block's count
+            self._lengths[seq_id] = n + 1
+            return table[-1], n % self.block_size, old
+        return super().append_slot(seq_id)
+
+
+class AllocateFloor(BlockAllocator):
+    def allocate(self, seq_id, num_tokens):
+        self._tables[seq_id] = self._take(num_tokens // self.block_size)
+        self._lengths[seq_id] = num_tokens
+        return list(self._tables[seq_id])
+
+
+class AllocateExtra(BlockAllocator):
+    def allocate(self, seq_id, num_tokens):
+        self._tables[seq_id] = self._take(num_tokens // self.block_size + 1)
+        self._lengths[seq_id] = num_tokens
+        return list(self._tables[seq_id])
+
+
+class ForkSharesList(BlockAllocator):
+    def fork(self, parent_id, child_id):
+        for b in self._tables[parent_id]:
+            self._refcount[b] += 1
+        self._tables[child_id] = self._tables[parent_id]        # the same list object
+        self._lengths[child_id] = self._lengths[parent_id]
+
+
+class ForkNoRefcount(BlockAllocator):
+    def fork(self, parent_id, child_id):
+        self._tables[child_id] = list(self._tables[parent_id])
+        self._lengths[child_id] = self._lengths[parent_id]
+
+
+class CopyAlways(BlockAllocator):
+    def append_slot(self, seq_id):
+        table, n = self._tables[seq_id], self._lengths[seq_id]
+        if 0 < n < len(table) * self.block_size:
+            old = table[-1]
+            table[-1] = self._take(1)[0]
+            self._refcount[old] -= 1
+            if self._refcount[old] == 0:
+                self._free.append(old)
+            self._lengths[seq_id] = n + 1
+            return table[-1], n % self.block_size, old
+        return super().append_slot(seq_id)
+
+
+class CopyAtBoundary(BlockAllocator):
+    def append_slot(self, seq_id):
+        table, n = self._tables[seq_id], self._lengths[seq_id]
+        shared_full = n == len(table) * self.block_size and table and self._refcount[table[-1]] > 1
+        block, offset, copy_from = super().append_slot(seq_id)
+        return block, offset, table[-2] if shared_full else copy_from
+
+
+class NoErrorWhenFull(BlockAllocator):
+    def _take(self, n):
+        out = [self._free.popleft() for _ in range(min(n, len(self._free)))]
+        out += [0] * (n - len(out))                # hands out block 0 again instead of raising
+        for b in out:
+            self._refcount[b] = 1
+        return out
+
+
+class NotAtomic(BlockAllocator):
+    def _take(self, n):
+        out = []
+        for _ in range(n):
+            if not self._free:
+                raise RuntimeError("no free block")   # the blocks already taken leak
+            out.append(self._free.popleft())
+            self._refcount[out[-1]] = 1
+        return out
+
+
+class WrongOffset(BlockAllocator):
+    def append_slot(self, seq_id):
+        block, offset, copy_from = super().append_slot(seq_id)
+        return block, (offset + 1) % self.block_size, copy_from
+
+
+WRONG_ALLOCATORS = [
+    (FreeWhileShared, ["freed while shared"]),
+    (NoCopyOnWrite, ["shared block without a copy"]),
+    (NewBlockAtLastSlot, ["off-by-one at a block boundary", "last slot"]),
+    (NoNewBlockAtFirstSlot, ["off-by-one at a block boundary", "new block"]),
+    (LeakOnFree, ["leaked"]),
+    (LeakOnCopy, ["refcount"]),
+    (AllocateFloor, ["round up"]),
+    (AllocateExtra, ["one block too many"]),
+    (ForkSharesList, ["own copy of the list"]),
+    (ForkNoRefcount, ["refcount"]),
+    (CopyAlways, ["no other sequence holds", "no copy"]),
+    (CopyAtBoundary, ["nothing to copy at a block boundary"]),
+    (NoErrorWhenFull, ["must raise"]),
+    (NotAtomic, ["before taking any"]),
+    (WrongOffset, ["offset"]),
+]
+
+
+@pytest.mark.parametrize("impl,needles", WRONG_ALLOCATORS, ids=[c.__name__ for c, _ in WRONG_ALLOCATORS])
+def test_wrong_allocators_rejected(impl, needles):
+    expect_rejected(check_block_allocator, impl, *needles)
+
+
+def test_allocator_exceptions_are_wrapped():
+    class Broken(BlockAllocator):
+        def fork(self, parent_id, child_id):
+            raise KeyError("oops")
+    expect_rejected(check_block_allocator, Broken, "fork(", "raised KeyError")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Wrong gathers
+
+
+def _ref(pool, table, n):
+    return pool[list(table)].permute(1, 0, 2, 3).flatten(1, 2)[:, :n]
+
+
+def _inplace(pool, table, n):
+    pool.mul_(1)
+    pool[0, 0, 0, 0] += 1
+    return _ref(pool, table, n)
+
+
+WRONG_GATHERS = [
+    (lambda p, t, n: _ref(p, sorted(t), n), ["allocation order"]),
+    (lambda p, t, n: _ref(p, range(len(t)), n), ["first blocks of the pool"]),
+    (lambda p, t, n: p[list(t)].reshape(p.shape[1], -1, p.shape[3])[:, :n], ["heads and blocks are mixed"]),
+    (lambda p, t, n: _ref(p, t, 10 ** 6), ["every slot of the blocks"]),
+    (lambda p, t, n: _ref(p, t, n + 1), ["off by one"]),
+    (lambda p, t, n: _ref(p, t, n - 1) if n > 1 else _ref(p, t, n)[:, :0], ["off by one"]),
+    (lambda p, t, n: _ref(p, t, n).float(), ["dtype"]),
+    (lambda p, t, n: _ref(p, list(t)[::-1], n), ["reverse"]),
+    (lambda p, t, n: _ref(p, t, n)[0], ["[heads, seq_len, head_dim]"]),
+    (_inplace, ["modified the pool"]),
+    (lambda p, t, n: torch.cat([p[b] for b in t], 1)[:, 1:n + 1], ["wrong values"]),
+]
+
+
+@pytest.mark.parametrize("impl,needles", WRONG_GATHERS, ids=[f"gather{i}" for i in range(len(WRONG_GATHERS))])
+def test_wrong_gathers_rejected(impl, needles):
+    expect_rejected(check_paged_gather, impl, *needles)
+
+
+def test_gather_exceptions_are_wrapped():
+    def broken(pool, table, n):
+        return pool[torch.tensor(table)]   # a tuple table is fine, but this ignores seq_len... and shape
+    expect_rejected(check_paged_gather, broken, "[heads, seq_len, head_dim]")
+
+
+# ---------------------------------------------------------------------------------------------------
+# End to end: the grader says which piece is wrong
+
+
+def test_paged_generate_blames_the_allocator(tiny):
+    expect_rejected(lambda a: check_paged_generate(a, paged_gather), NoCopyOnWrite, "your BlockAllocator")
+
+
+def test_paged_generate_blames_the_gather(tiny):
+    def sorted_gather(pool, table, n):
+        return _ref(pool, sorted(table), n)
+    expect_rejected(lambda g: check_paged_generate(BlockAllocator, g), sorted_gather, "paged_gather")
+
+
+def test_paged_generate_catches_leaks(tiny):
+    expect_rejected(lambda a: check_paged_generate(a, paged_gather), LeakOnFree, "leaked")
+
+
+def test_paged_generate_wraps_exceptions(tiny):
+    def broken(pool, table, n):
+        raise IndexError("boom")
+    expect_rejected(lambda g: check_paged_generate(BlockAllocator, g), broken, "raised IndexError")
