@@ -112,7 +112,7 @@ class Run:
     def points(self, items, desc: str):
         """Yield ``items`` until this section's deadline, with a progress bar; flag a cut grid."""
         items = list(items)
-        for i, item in enumerate(tqdm(items, desc=desc, leave=False, file=sys.stderr)):
+        for i, item in enumerate(tqdm(items, desc=desc, leave=False)):
             if i > 0 and time.perf_counter() > self.deadline:    # the first point always runs
                 self.truncated = True
                 return
@@ -355,14 +355,14 @@ def run(device=None, quick: bool | None = None, budget: float | None = None,
     if model_names:
         p["models"] = list(model_names)
     r = Run(device, p, float(budget if budget is not None else p["budget"]))
-    for name in tqdm(p["models"], desc="loading models", leave=False, file=sys.stderr):
+    for name in tqdm(p["models"], desc="loading models", leave=False):
         r.model(name)                  # before the sections' clocks start; fails early on a bad name
     fns = {name: globals()[name] for name in sections}
     results = {}
-    for i, (name, fn) in enumerate(tqdm(fns.items(), desc="kvlab.report", file=sys.stderr)):
+    for i, (name, fn) in enumerate(tqdm(fns.items(), desc="kvlab.report", leave=False)):
         share = max(r.left(), 0) / (len(fns) - i)          # unused time rolls over to later sections
         results[name] = _section(fn, r, share)
-        print(f"  {name}: {results[name]['status']} in {results[name]['seconds']} s", file=sys.stderr)
+        print(f"{name}: {results[name]['status']} in {results[name]['seconds']} s")
     return dict(schema=SCHEMA, kind="kvlab.report", quick=quick, budget_s=r.budget,
                 elapsed_s=_num(time.perf_counter() - r.start, 4), plan=p,
                 provenance=provenance(device, r), sections=results)
