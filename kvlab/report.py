@@ -59,7 +59,7 @@ NEEDS = {"floor": "kvlab.roofline", "compiled": "kvlab.static"}
 def plan(device: torch.device, quick: bool) -> dict:
     """The grids: small for the test suite, longer on a GPU (where steps are cheap) than on a CPU."""
     if quick:
-        return dict(models=["kvlab-tiny"], Ns=[8, 24], positions=[8, 128], new_tokens=12,
+        return dict(models=["kvlab-tiny"], Ns=[8, 16], positions=[8, 128], new_tokens=8,
                     batch_sizes=[1, 4], batch_new=6, floor_batches=[1, 4], floor_seq=[64],
                     repeats=2, budget=40)
     if device.type == "cuda":
@@ -379,6 +379,7 @@ def write_json(obj: dict, path) -> Path:
             f.write("\n")
             f.flush()
             os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)               # mkstemp makes it private; a results file is for reading
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
