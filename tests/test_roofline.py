@@ -1,0 +1,128 @@
+"""kvlab.roofline: exact byte and FLOP counts worked out by hand, on real, hand-built and meta models."""
+
+import numpy as np
+import pytest
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+from kvlab import gpt2, roofline
+from kvlab.memory import kv_cache_bytes
+
+
+def tiny_gpt2(dtype=torch.float32):
+    # V=64, positions 16, width 8, 2 layers, 2 heads (head_dim 4)
+    cfg = GPT2Config(vocab_size=64, n_positions=16, n_embd=8, n_layer=2, n_head=2)
+    torch.manual_seed(0)
+    return GPT2LMHeadModel(cfg).to(dtype).eval()
+
+
+def tiny_llama(tied=False, dtype=torch.float16):
+    # width 16, 2 layers, 4 query heads / 2 key-value heads of 4, MLP 24, vocab 32
+    cfg = LlamaConfig(vocab_size=32, hidden_size=16, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, intermediate_size=24, tie_word_embeddings=tied)
+    torch.manual_seed(0)
+    return LlamaForCausalLM(cfg).to(dtype).eval()
+
+
+# GPT-2 by hand: wte 64x8=512, wpe 16x8=128; per layer ln_1 16, c_attn 8x24+24=216, c_proj 8x8+8=72,
+# ln_2 16, c_fc 8x32+32=288, mlp c_proj 32x8+8=264 -> 872; two layers 1744; ln_f 16. LM head tied.
+GPT2_PARAMS = 512 + 128 + 2 * 872 + 16                  # 2400
+GPT2_MATMUL = 2 * (192 + 64 + 256 + 256) + 512           # 2048: the layers' Linear weights + LM head
+# Llama by hand: embed 32x16=512; per layer q 256, k 128, v 128, o 256, gate/up/down 3x384, two norms 32
+# -> 1952; two layers 3904; final norm 16; untied lm_head 512.
+LLAMA_PARAMS = 512 + 2 * 1952 + 16 + 512                # 4944
+LLAMA_MATMUL = 2 * (256 + 128 + 128 + 256 + 3 * 384) + 512   # 4352
+
+
+def test_gpt2_bytes_by_hand_fp32_and_fp16():
+    m = tiny_gpt2()
+    # cache: 2 (K,V) x 2 layers x 2 heads x 4 x 5 positions x 3 rows x 4 bytes = 1920
+    assert roofline.decode_step_bytes(m, 3, 5) == GPT2_PARAMS * 4 + 1920
+    assert roofline.decode_step_bytes(m, 7, 0) == GPT2_PARAMS * 4          # no cache yet: weights only
+    assert roofline.decode_step_bytes(tiny_gpt2(torch.float16), 3, 5) == GPT2_PARAMS * 2 + 960
+
+
+def test_tied_head_counted_once_and_flops_by_hand():
+    m = tiny_gpt2()
+    assert m.lm_head.weight is m.transformer.wte.weight
+    assert roofline.weight_bytes(m) == GPT2_PARAMS * 4
+    assert roofline.matmul_weights(m) == GPT2_MATMUL
+    # 2 x 3 rows x 2048 + 4 x 3 rows x 2 layers x 2 heads x 4 x 5 positions
+    assert roofline.decode_step_flops(m, 3, 5) == 2 * 3 * GPT2_MATMUL + 960
+
+
+def test_gqa_bytes_and_flops_by_hand():
+    m = tiny_llama()
+    # cache: 2 (K,V) x 2 layers x 2 KEY/VALUE heads x 4 x 7 positions x 2 rows x 2 bytes = 896
+    assert roofline.decode_step_bytes(m, 2, 7) == LLAMA_PARAMS * 2 + 2 * 2 * 2 * 4 * 7 * 2 * 2
+    # attention FLOPs use the 4 QUERY heads: 4 x 2 rows x 2 layers x 4 heads x 4 x 7
+    assert roofline.decode_step_flops(m, 2, 7) == 2 * 2 * LLAMA_MATMUL + 4 * 2 * 2 * 4 * 4 * 7
+    tied = tiny_llama(tied=True)
+    assert roofline.weight_bytes(tied) == (LLAMA_PARAMS - 512) * 2
+    assert roofline.matmul_weights(tied) == LLAMA_MATMUL
+
+
+def test_hand_built_gpt2_and_meta_model_agree_with_transformers(tiny):
+    hf, _ = tiny
+    ours = gpt2.GPT2.from_hf(hf)
+    meta = roofline.meta_model(hf.config)
+    assert next(meta.parameters()).device.type == "meta"
+    for fn in (roofline.decode_step_bytes, roofline.decode_step_flops):
+        want = fn(hf, 3, 17)
+        assert fn(ours, 3, 17) == want and fn(meta, 3, 17) == want
+
+
+def test_meta_gpt2_sizes_and_open_models():
+    m = roofline.meta_model("shape:gpt2-medium")
+    assert roofline.weight_bytes(m) == 354_823_168 * 4
+    # article A's floor: 1.42 GB of fp32 weights at an RTX 3090's 936 GB/s, about 1.5 ms a token
+    assert roofline.step_time_floor(m, 1, 0, 936e9, 35.6e12) == pytest.approx(1.516e-3, rel=1e-3)
+    llama = roofline.meta_model("Llama-3.1-8B", torch.bfloat16)
+    assert roofline.weight_bytes(llama) == 8_030_261_248 * 2
+    assert roofline.cache_read_bytes(llama, 4, 8192) == kv_cache_bytes(llama.config, 8192, 4, torch.bfloat16)
+    with pytest.raises(ValueError, match="unknown model"):
+        roofline.meta_model("gpt5")
+
+
+def test_floor_is_the_larger_term_and_helpers():
+    m = tiny_gpt2()
+    b, f = roofline.decode_step_bytes(m, 3, 5), roofline.decode_step_flops(m, 3, 5)
+    assert roofline.step_time_floor(m, 3, 5, 1e9, 1e12) == pytest.approx(b / 1e9)     # memory-bound
+    assert roofline.step_time_floor(m, 3, 5, 1e12, 1e9) == pytest.approx(f / 1e9)     # compute-bound
+    assert roofline.step_time_floor(m, np.int64(3), np.int32(5), np.float64(1e9), 1e12) == pytest.approx(b / 1e9)
+    t = roofline.step_terms(m, 3, 5, 1e9, 1e12)
+    assert t["floor"] == pytest.approx(b / 1e9) and t["bound"] == "weights"
+    assert roofline.step_terms(m, 3, 5, 1e9, 1e12, cache_dtype=torch.int8)["cache_bytes"] == 1920 // 4
+    # the crossover: the cache of one row outweighs the weights (9600 bytes / 128 bytes per token)
+    assert roofline.crossover_length(m) == 75
+    crit = roofline.critical_batch(m, 0, 1e9, 1e9)
+    assert roofline.step_terms(m, crit, 0, 1e9, 1e9)["bound"] == "compute"
+    assert roofline.step_terms(m, crit - 1, 0, 1e9, 1e9)["bound"] != "compute"
+    assert roofline.generation_floor(m, 1, 4, 3, 1e9, 1e12) == pytest.approx(
+        sum(roofline.step_time_floor(m, 1, s, 1e9, 1e12) for s in (4, 5, 6)))
+
+
+@pytest.mark.parametrize("args, match", [((2.5, 5), "batch_size"), ((1, -1), "seq_len"), ((1, "5"), "seq_len")])
+def test_bad_counts_are_value_errors(args, match):
+    with pytest.raises(ValueError, match=match):
+        roofline.decode_step_bytes(tiny_gpt2(), *args)
+
+
+def test_bad_rates_are_value_errors():
+    with pytest.raises(ValueError, match="bandwidth"):
+        roofline.step_time_floor(tiny_gpt2(), 1, 1, 0, 1e9)
+    with pytest.raises(ValueError, match="flops"):
+        roofline.step_time_floor(tiny_gpt2(), 1, 1, 1e9, "fast")
+
+
+def test_measurements_run_and_fix_threads(capsys):
+    before = torch.get_num_threads()
+    try:
+        bw = roofline.measure_bandwidth("cpu", size_mib=4, threads=1, repeats=3)
+        fl = roofline.measure_matmul_flops("cpu", torch.float32, n=128, threads=1, repeats=3)
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+    out = capsys.readouterr().out
+    assert "1 threads" in out and "GB/s" in out and "GFLOP/s" in out
+    assert bw > 0 and fl > 0            # a measurement, never asserted beyond being one
