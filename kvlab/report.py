@@ -231,9 +231,48 @@ def batch_throughput(run: Run) -> dict:
     return dict(prompt_len=prompt_len, new_tokens=n_new, rows=rows)
 
 
+def _our_step(ours, ids: torch.Tensor, seq_len: int):
+    """One decode step of the hand-built GPT-2 for a batch whose cache holds ``seq_len`` positions.
+
+    The cache is never filled by a prefill: a step's time depends on how many positions it attends
+    over, not on their values, so the zeros a fresh cache holds time the same (and a long prefill
+    of a big batch would cost more than the whole grid). Each call writes position ``seq_len`` and
+    then sets the length back, so every call times the same step.
+    """
+    cache = ours.new_cache(ids.shape[0], max_len=seq_len + 1)
+    cache._len = seq_len          # PreallocatedCache keeps its length here (no crop method)
+    tok = ids[:, :1]
+
+    def step():
+        out = ours(tok, cache, last_only=True).argmax(-1)
+        cache._len = seq_len
+        return out
+    return step
+
+
+@torch.no_grad()
 def floor(run: Run) -> dict:
     """Chapter 7: each decode step's time against its floor from measured bandwidth and FLOP/s."""
-    raise NotImplementedError("written once kvlab.roofline lands")
+    from . import roofline
+
+    dtype = next(run.model(run.plan["models"][0])[1].parameters()).dtype
+    bw = roofline.measure_bandwidth(run.device, verbose=False)
+    fl = roofline.measure_matmul_flops(run.device, dtype, verbose=False)
+    cache_limit = 16 * 2**30 if run.device.type == "cuda" else 2**30     # skip what would not fit well
+    rows = []
+    for name in run.plan["models"]:
+        _, ours = run.model(name)
+        ctx, big_on_cpu = ours.config.n_positions, run.device.type == "cpu" and ours.config.n_embd > 512
+        grid = [(b, s) for s in run.plan["floor_seq"] if s < ctx for b in run.plan["floor_batches"]
+                if not (big_on_cpu and b > 16) and roofline.cache_read_bytes(ours, b, s + 1) <= cache_limit]
+        for b, s in run.points(grid, f"floor {name}"):
+            t = run.compare({"step": _our_step(ours, run.prompt(name, 1, b), s)})["step"]
+            terms = roofline.step_terms(ours, b, s, bw, fl)
+            rows.append(dict(model=name, batch=b, seq_len=s, measured_ms=_num(t.median * 1e3),
+                             floor_ms=_num(terms["floor"] * 1e3), vs_floor=_num(t.median / terms["floor"], 4),
+                             bound=terms["bound"]))
+    return dict(generator="hand-built GPT-2, preallocated cache", dtype=str(dtype).removeprefix("torch."),
+                bandwidth_GBps=_num(bw / 1e9, 4), matmul_GFLOPs=_num(fl / 1e9, 4), rows=rows)
 
 
 def compiled(run: Run) -> dict:

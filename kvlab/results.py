@@ -28,6 +28,9 @@ HEADERS = {
     "new_tokens": "new tokens", "median_s": "median (s)", "tokens_per_s": "tokens/s",
     "vs_transformers": "speed vs transformers", "identical_tokens": "same tokens",
     "first_difference": "first different token", "batch": "batch B", "vs_batch1": "vs B=1",
+    "seq_len": "cached positions S", "measured_ms": "measured (ms/step)", "floor_ms": "floor (ms/step)",
+    "vs_floor": "measured / floor", "bound": "floor set by", "bandwidth_GBps": "bandwidth (GB/s)",
+    "matmul_GFLOPs": "matmul (GFLOP/s)", "prompt_len": "prompt length",
 }
 TITLES = {
     "speedup": "Naive vs cached generation: total time against N (chapter 2)",
@@ -43,6 +46,7 @@ PLOTS = {
     "per_position": ("position", ["naive_ms", "cached_ms"], ["model"], "position p",
                      "ms per generated token", False),
     "batch_throughput": ("batch", ["tokens_per_s"], ["model"], "batch size B", "new tokens / s", True),
+    "floor": ("batch", ["vs_floor"], ["model", "seq_len"], "batch size B", "measured / floor", True),
 }
 
 
@@ -152,7 +156,7 @@ def section_markdown(name: str, sec: dict) -> str:
         return f"{title}: failed with `{sec.get('error')}`."
     extra = {k: v for k, v in sec.items() if k not in ("rows", "status", "seconds")
              and not isinstance(v, (dict, list))}
-    note = ", ".join(f"{k.replace('_', ' ')} {_cell(v)}" for k, v in extra.items())
+    note = ", ".join(f"{HEADERS.get(k, k.replace('_', ' '))} {_cell(v)}" for k, v in extra.items())
     cut = " The time budget ran out: the grid stops early." if status == "truncated" else ""
     head = f"{title} ({note}; {sec.get('seconds')} s).{cut}" if note else f"{title} ({sec.get('seconds')} s).{cut}"
     return head + "\n\n" + (table(sec["rows"]) if sec.get("rows") else "No rows.")
