@@ -1,0 +1,219 @@
+"""A static KV cache and a compiled decode step for the hand-built GPT-2 (chapter 8).
+
+Chapter 3's cache returns a view that grows by one position per step, and the position of the new
+token is a Python int. Both are poison for ``torch.compile``: a new shape or a new constant every
+step means a new graph (or a guard that fails) every step. Production engines fix both:
+
+* the cache is a buffer of ``max_len`` positions per layer, written *in place* at a position held in
+  a 0-d ``torch.long`` tensor, and ``update`` always returns the *whole* buffer (same shape, same
+  storage, every step);
+* attention runs over all ``max_len`` key slots, with a mask that hides every slot after the query's
+  own position (slots not yet written hold zeros or a previous prompt's keys: both must be hidden);
+* one decode step, ``(token ids [B, 1], position tensor) -> next token ids [B]``, is then the same
+  computation on the same shapes every time: compiled once, replayed for every token. On a GPU,
+  ``mode="reduce-overhead"`` records it as a CUDA graph, so a step is one launch instead of hundreds.
+
+    dec = StaticDecoder(model, max_len=256)                 # model: kvlab.gpt2.GPT2
+    dec.compile()                                           # torch.compile of the decode step
+    out = dec.generate(prompt_ids, 100)                     # == kvlab.gpt2.generate(model, ...)
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from .cache import Cache
+
+
+class StaticCache(Cache):
+    """Chapter 3's cache interface, with fixed shapes and a position held in a tensor.
+
+    Per layer, keys and values live in buffers ``[batch, heads, max_len, head_dim]`` allocated once.
+    ``update(layer, k, v, pos)`` writes the ``T`` new positions at ``pos .. pos+T-1`` with
+    ``index_copy_`` (the index is a tensor, so no Python number is ever read back from the device)
+    and returns the full buffers. ``position`` is a 0-d long tensor: where the next write starts,
+    advanced in place after the last layer. ``seq_len`` reads it back as an int, for code outside
+    the compiled step.
+    """
+
+    def __init__(self, n_layer: int, batch_size: int, n_head: int, head_dim: int, max_len: int,
+                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
+        if min(n_layer, batch_size, n_head, head_dim, max_len) < 1:
+            raise ValueError("n_layer, batch_size, n_head, head_dim and max_len must all be >= 1")
+        self.n_layer, self.batch_size, self.n_head, self.head_dim, self.max_len = (
+            n_layer, batch_size, n_head, head_dim, max_len)
+        shape = (batch_size, n_head, max_len, head_dim)
+        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layer)]
+        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layer)]
+        self.position = torch.zeros((), dtype=torch.long, device=device)
+        mark_static(self.keys + self.values + [self.position])
+
+    def update(self, layer, k, v, pos=None):
+        if pos is None:
+            pos = self.position
+        T = k.shape[2]
+        if k.shape[:2] != (self.batch_size, self.n_head) or k.shape[3] != self.head_dim or v.shape != k.shape:
+            raise ValueError(
+                f"cache holds [batch={self.batch_size}, heads={self.n_head}, max_len, head_dim={self.head_dim}] "
+                f"but got keys {list(k.shape)} and values {list(v.shape)}")
+        if T > self.max_len:
+            raise ValueError(f"{T} new tokens do not fit a cache of max_len={self.max_len}")
+        # Where the new tokens go, as a tensor: reading `pos` back as an int would break the graph.
+        # (A position past max_len cannot be checked here without that read: the decoder checks it.)
+        slots = pos + torch.arange(T, device=k.device)
+        self.keys[layer].index_copy_(2, slots, k)
+        self.values[layer].index_copy_(2, slots, v)
+        if layer == self.n_layer - 1:
+            self.position.copy_(pos + T)
+        return self.keys[layer], self.values[layer]
+
+    def reset(self):
+        # In place: a compiled step (and a CUDA graph) holds these very buffers. Zeroing is not
+        # needed for correctness (the mask hides stale slots) but makes "empty" mean empty.
+        for t in self.keys + self.values:
+            t.zero_()
+        self.position.zero_()
+
+    @property
+    def seq_len(self):
+        return int(self.position)
+
+    @property
+    def nbytes(self):
+        return sum(t.numel() * t.element_size() for t in self.keys + self.values)
+
+
+def mark_static(tensors) -> None:
+    """Tell ``torch.compile`` these tensors keep their address (CUDA graphs then write into them in
+    place rather than refusing a step that mutates an input). Only needed, and only done, on CUDA."""
+    for t in tensors:
+        if isinstance(t, torch.Tensor) and t.device.type == "cuda":
+            torch._dynamo.mark_static_address(t)
+
+
+def static_attention(q, k, v, pos):
+    """Attention of ``T`` new queries over a static cache's full buffers.
+
+    ``q``: ``[B, H, T, D]``; ``k``, ``v``: ``[B, H, max_len, D]``; ``pos``: 0-d long tensor, the
+    position of the first query. Query ``i`` sits at ``pos + i`` and may see key slots
+    ``0 .. pos + i``; every later slot is hidden, whether it holds an old key, zeros or a newer one.
+    """
+    T, S = q.shape[-2], k.shape[-2]
+    query_pos = pos + torch.arange(T, device=q.device)[:, None]           # [T, 1], a tensor
+    allowed = torch.arange(S, device=q.device)[None, :] <= query_pos      # [T, S]: True = may attend
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed)
+
+
+def static_attention_explicit(q, k, v, pos):
+    """:func:`static_attention` written out (scores, mask, softmax), for reading and for checks."""
+    T, S = q.shape[-2], k.shape[-2]
+    scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])              # [B, H, T, max_len]
+    query_pos = pos + torch.arange(T, device=q.device)[:, None]
+    hidden = torch.arange(S, device=q.device)[None, :] > query_pos
+    return torch.softmax(scores.masked_fill(hidden, float("-inf")), dim=-1) @ v
+
+
+def forward_static(model, input_ids, cache, pos, attention_fn: Callable = static_attention):
+    """The hand-built GPT-2's forward (``kvlab.gpt2.GPT2``) with a static cache: the ``T`` new tokens
+    sit at positions ``pos .. pos+T-1`` (``pos`` a 0-d tensor). Returns the last position's logits
+    ``[B, vocab]``. The same blocks and weights as ``GPT2.forward``; only where the position comes from
+    and what the cache returns differ."""
+    B, T = input_ids.shape
+    cfg = model.config
+    C, H, D = cfg.n_embd, cfg.n_head, cfg.head_dim
+    x = model.wte(input_ids) + model.wpe(pos + torch.arange(T, device=input_ids.device))
+    for layer, block in enumerate(model.h):
+        q, k, v = block.attn.c_attn(block.ln_1(x)).split(C, dim=2)
+        q, k, v = (t.view(B, T, H, D).transpose(1, 2) for t in (q, k, v))
+        k, v = cache.update(layer, k, v, pos)            # the full buffers: [B, H, max_len, D]
+        y = attention_fn(q, k, v, pos)
+        x = x + block.attn.c_proj(y.transpose(1, 2).reshape(B, T, C))
+        x = x + block.mlp(block.ln_2(x))
+    return model.ln_f(x[:, -1]) @ model.wte.weight.T
+
+
+class StaticDecoder:
+    """Greedy generation for the hand-built GPT-2 with a static cache and one (compiled) decode step.
+
+    The prompt (prefill) runs eagerly: its length varies between prompts, and compiling it would
+    mean a graph per prompt length. Every decode step has the same shapes, ``ids [B, 1]`` and a 0-d
+    position tensor, so :meth:`compile` makes one graph that serves every step and every prompt.
+    ``cache_cls`` and ``attention_fn`` are pluggable (lab 8 runs a learner's here): the cache only
+    needs ``cache_cls(n_layer, batch_size, n_head, head_dim, max_len, dtype, device)``,
+    ``update(layer, k, v, pos)`` and ``reset()``.
+    """
+
+    def __init__(self, model, batch_size: int = 1, max_len: int | None = None, cache_cls=StaticCache,
+                 attention_fn: Callable = static_attention):
+        cfg, p = model.config, model.wte.weight
+        self.model, self.attention_fn = model, attention_fn
+        self.batch_size = batch_size
+        self.max_len = max_len or cfg.n_positions
+        if self.max_len > cfg.n_positions:
+            raise ValueError(f"max_len={self.max_len} exceeds GPT-2's context of n_positions={cfg.n_positions}")
+        self.cache = cache_cls(cfg.n_layer, batch_size, cfg.n_head, cfg.head_dim, self.max_len, p.dtype,
+                               p.device)
+        mark_static([t for t in _tensors_of(self.cache)])
+        # The decoder owns the position (the lab's caches do not track one): a 0-d tensor on the
+        # model's device, advanced in place, so the compiled step sees the same input every time.
+        self.pos = torch.zeros((), dtype=torch.long, device=p.device)
+        mark_static([self.pos])
+        self.step = self._step
+        self.compiled = False
+
+    def _step(self, ids, pos):
+        """One decode step: ids ``[B, 1]`` at position ``pos`` -> the greedy next ids ``[B]``."""
+        return forward_static(self.model, ids, self.cache, pos, self.attention_fn).argmax(dim=-1)
+
+    def compile(self, backend="inductor", mode: str | None = None, fullgraph: bool = True, **kwargs):
+        """``torch.compile`` the decode step (``dynamic=False``: every step has the same shapes).
+
+        ``mode=None`` picks ``"reduce-overhead"`` on CUDA (CUDA graphs) and ``"default"`` elsewhere
+        (on a CPU, inductor generates C++/OpenMP kernels; there are no graphs to replay).
+        """
+        if mode is None and backend == "inductor":
+            mode = "reduce-overhead" if self.pos.device.type == "cuda" else "default"
+        opts = dict(backend=backend, fullgraph=fullgraph, dynamic=False, **kwargs)
+        if mode is not None:
+            opts["mode"] = mode
+        self.step = torch.compile(self._step, **opts)
+        self.compiled = True
+        return self
+
+    @torch.no_grad()
+    def generate(self, input_ids, max_new_tokens: int) -> torch.Tensor:
+        """Greedy tokens ``[B, T + max_new_tokens]``, equal to ``kvlab.gpt2.generate``'s."""
+        from .gpt2 import check_inputs
+
+        ids = check_inputs(self.model, input_ids, max_new_tokens)
+        B, T = ids.shape
+        if B != self.batch_size:
+            raise ValueError(f"this decoder's cache was made for batch_size={self.batch_size}, got {B} prompts")
+        if T + max_new_tokens > self.max_len:
+            raise ValueError(f"prompt {T} + {max_new_tokens} new tokens exceeds the static cache's "
+                             f"max_len={self.max_len}: make the decoder with a larger max_len")
+        out = torch.empty(B, T + max_new_tokens, dtype=torch.long, device=ids.device)
+        out[:, :T] = ids
+        if max_new_tokens == 0:
+            return out
+        self.cache.reset()
+        self.pos.zero_()
+        nxt = forward_static(self.model, ids, self.cache, self.pos, self.attention_fn).argmax(dim=-1)
+        self.pos += T                                   # prefill, eager: prompt lengths vary
+        for t in range(T, T + max_new_tokens):
+            out[:, t] = nxt
+            if t + 1 < T + max_new_tokens:
+                nxt = self.step(nxt[:, None], self.pos)     # the same graph for every step
+                self.pos += 1
+        return out
+
+
+def _tensors_of(obj):
+    """Every tensor an object holds directly or in a list/tuple attribute (to mark them static)."""
+    for value in vars(obj).values():
+        items = value if isinstance(value, (list, tuple)) else [value]
+        yield from (t for t in items if isinstance(t, torch.Tensor))
