@@ -19,8 +19,10 @@ Sections, each measured with ``kvlab.timing`` (warm-up, medians, variants interl
 * ``compiled``              compiled vs eager decode of the hand-built GPT-2 (``kvlab.static``)
 
 A time budget (``--budget``) bounds the run: each section gets a share of what is left, and a grid
-that runs out of time stops early and is marked ``truncated``, so the file is always complete. A
-section that fails records its error and the others still run (the exit status is then 1).
+that runs out of time stops early and is marked ``truncated``. The file is rewritten (atomically)
+after every section, so a run killed from outside still leaves what it finished (``complete`` is
+false until the end). A section that fails records its error and the others still run (the exit
+status is then 1).
 """
 
 from __future__ import annotations
@@ -57,19 +59,27 @@ NEEDS = {"floor": "kvlab.roofline", "compiled": "kvlab.static"}
 
 
 def plan(device: torch.device, quick: bool) -> dict:
-    """The grids: small for the test suite, longer on a GPU (where steps are cheap) than on a CPU."""
+    """The grids: small for the test suite, longer on a GPU (where steps are cheap) than on a CPU.
+
+    Quick mode compiles with the ``aot_eager`` backend (traced graphs, no code generation): the
+    inductor compiler alone takes longer on a CPU than the test suite's whole budget for the report.
+    """
     if quick:
         return dict(models=["kvlab-tiny"], Ns=[8, 16], positions=[8, 128], new_tokens=8,
                     batch_sizes=[1, 4], batch_new=6, floor_batches=[1, 4], floor_seq=[64],
-                    repeats=2, budget=40)
+                    compiled_models=["kvlab-tiny"], compile_backend="aot_eager", repeats=2, budget=40,
+                    probe=dict(size_mib=32, n=256, repeats=3))
     if device.type == "cuda":
         return dict(models=["kvlab-tiny", "shape:gpt2", "shape:gpt2-medium"],
                     Ns=[16, 64, 128, 256, 512], positions=[16, 128, 256, 512, 768, 1000],
                     new_tokens=200, batch_sizes=[1, 2, 4, 8, 16, 32, 64, 128], batch_new=64,
-                    floor_batches=[1, 4, 16, 64, 256], floor_seq=[128, 1000], repeats=5, budget=240)
+                    floor_batches=[1, 4, 16, 64, 256], floor_seq=[128, 1000],
+                    compiled_models=["shape:gpt2", "kvlab-tiny"], compile_backend="inductor", repeats=5,
+                    budget=240)
     return dict(models=["kvlab-tiny", "shape:gpt2"], Ns=[16, 64, 128, 256],
                 positions=[8, 64, 128, 256, 384], new_tokens=100, batch_sizes=[1, 2, 4, 8, 16],
-                batch_new=24, floor_batches=[1, 4, 16], floor_seq=[128], repeats=3, budget=600)
+                batch_new=24, floor_batches=[1, 4, 16], floor_seq=[128], compiled_models=["kvlab-tiny"],
+                compile_backend="inductor", repeats=3, budget=600)
 
 
 def _fit(model, device, grid: list[int], cap_cpu: int) -> list[int]:
@@ -256,8 +266,11 @@ def floor(run: Run) -> dict:
     from . import roofline
 
     dtype = next(run.model(run.plan["models"][0])[1].parameters()).dtype
-    bw = roofline.measure_bandwidth(run.device, verbose=False)
-    fl = roofline.measure_matmul_flops(run.device, dtype, verbose=False)
+    probe = run.plan.get("probe", {})              # smaller probes in quick mode, else the defaults
+    bw = roofline.measure_bandwidth(run.device, size_mib=probe.get("size_mib"),
+                                    repeats=probe.get("repeats", 7), verbose=False)
+    fl = roofline.measure_matmul_flops(run.device, dtype, n=probe.get("n"), repeats=probe.get("repeats", 5),
+                                       verbose=False)
     cache_limit = 16 * 2**30 if run.device.type == "cuda" else 2**30     # skip what would not fit well
     rows = []
     for name in run.plan["models"]:
@@ -276,8 +289,34 @@ def floor(run: Run) -> dict:
 
 
 def compiled(run: Run) -> dict:
-    """Chapter 8: compiled vs eager decode of the hand-built GPT-2."""
-    raise NotImplementedError("written once kvlab.static lands")
+    """Chapter 8: the hand-built GPT-2 eager, with a static cache, and with its decode step compiled."""
+    from .static import StaticDecoder
+
+    backend = run.plan["compile_backend"]
+    mode = "reduce-overhead" if run.device.type == "cuda" and backend == "inductor" else "default"
+    rows = []
+    for name in run.points(run.plan["compiled_models"], "compiled"):
+        _, ours = run.model(name)
+        n_new = min(run.plan["new_tokens"], 50 if run.device.type == "cpu" and ours.config.n_embd > 512 else 10**9)
+        prompt = run.prompt(name, 8)
+        static = StaticDecoder(ours, max_len=8 + n_new)
+        comp = StaticDecoder(ours, max_len=8 + n_new).compile(backend=backend)
+        t0 = time.perf_counter()
+        comp.generate(prompt, n_new)                      # the first call compiles
+        compile_s = time.perf_counter() - t0
+        fns = {"eager, preallocated cache": lambda: gpt2.generate(ours, prompt, n_new),
+               "static cache, eager": lambda: static.generate(prompt, n_new),
+               "static cache, compiled": lambda: comp.generate(prompt, n_new)}
+        reference = fns["eager, preallocated cache"]()
+        first_diff = {k: _first_difference(fn(), reference) for k, fn in fns.items()}
+        t = run.compare(fns, warmup=0)                    # the correctness pass was the warm-up
+        base = t["eager, preallocated cache"]
+        for k, tk in t.items():
+            rows.append(dict(model=name, variant=k, new_tokens=n_new, median_s=_num(tk.median),
+                             tokens_per_s=_num(n_new / tk.median, 4), vs_eager=_num(timing.ratio(base, tk), 4),
+                             identical_tokens=first_diff[k] is None, first_difference=first_diff[k],
+                             compile_s=_num(compile_s, 3) if k.endswith("compiled") else None))
+    return dict(backend=backend, mode=mode, prompt_len=8, rows=rows)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -379,8 +418,13 @@ def _section(fn, run: Run, share: float) -> dict:
 
 
 def run(device=None, quick: bool | None = None, budget: float | None = None,
-        sections=SECTIONS, model_names=None, threads: int | None = None) -> dict:
-    """Measure every section on ``device`` within ``budget`` seconds; return the result dict."""
+        sections=SECTIONS, model_names=None, threads: int | None = None, checkpoint=None) -> dict:
+    """Measure every section on ``device`` within ``budget`` seconds; return the result dict.
+
+    ``checkpoint(result)`` is called after every section with the result so far (``complete`` is
+    False until the end): the command writes the file each time, so a run killed from outside (a
+    device call's time limit) still leaves every finished section on disk.
+    """
     quick = timing.QUICK if quick is None else quick
     device = torch.device(device) if device is not None else models.pick_device()
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -397,14 +441,17 @@ def run(device=None, quick: bool | None = None, budget: float | None = None,
     for name in tqdm(p["models"], desc="loading models", leave=False):
         r.model(name)                  # before the sections' clocks start; fails early on a bad name
     fns = {name: globals()[name] for name in sections}
-    results = {}
+    out = dict(schema=SCHEMA, kind="kvlab.report", complete=False, quick=quick, budget_s=r.budget,
+               elapsed_s=0.0, plan=p, provenance=provenance(device, r), sections={})
     for i, (name, fn) in enumerate(tqdm(fns.items(), desc="kvlab.report", leave=False)):
         share = max(r.left(), 0) / (len(fns) - i)          # unused time rolls over to later sections
-        results[name] = _section(fn, r, share)
-        print(f"{name}: {results[name]['status']} in {results[name]['seconds']} s")
-    return dict(schema=SCHEMA, kind="kvlab.report", quick=quick, budget_s=r.budget,
-                elapsed_s=_num(time.perf_counter() - r.start, 4), plan=p,
-                provenance=provenance(device, r), sections=results)
+        out["sections"][name] = sec = _section(fn, r, share)
+        out["elapsed_s"] = _num(time.perf_counter() - r.start, 4)
+        print(f"{name}: {sec['status']} in {sec['seconds']} s")
+        if checkpoint and i < len(fns) - 1:
+            checkpoint(out)
+    out["complete"] = True
+    return out
 
 
 def write_json(obj: dict, path) -> Path:
@@ -445,7 +492,8 @@ def main(argv=None) -> int:
     sections = [s.strip() for s in args.sections.split(",") if s.strip()]
     names = [m.strip() for m in args.models.split(",")] if args.models else None
     try:
-        result = run(args.device, args.quick, args.budget, sections, names, args.threads)
+        result = run(args.device, args.quick, args.budget, sections, names, args.threads,
+                     checkpoint=lambda partial: write_json(partial, args.out))
     except (ValueError, models.ModelNotAvailable) as e:
         ap.error(str(e))
     write_json(result, args.out)

@@ -30,7 +30,8 @@ HEADERS = {
     "first_difference": "first different token", "batch": "batch B", "vs_batch1": "vs B=1",
     "seq_len": "cached positions S", "measured_ms": "measured (ms/step)", "floor_ms": "floor (ms/step)",
     "vs_floor": "measured / floor", "bound": "floor set by", "bandwidth_GBps": "bandwidth (GB/s)",
-    "matmul_GFLOPs": "matmul (GFLOP/s)", "prompt_len": "prompt length",
+    "matmul_GFLOPs": "matmul (GFLOP/s)", "prompt_len": "prompt length", "variant": "variant",
+    "vs_eager": "speed vs eager", "compile_s": "first call, compiling (s)",
 }
 TITLES = {
     "speedup": "Naive vs cached generation: total time against N (chapter 2)",
@@ -165,6 +166,9 @@ def section_markdown(name: str, sec: dict) -> str:
 def markdown(result, fresh: bool = False) -> str:
     """Caption, provenance line and one table per section."""
     parts = [f"*{caption(result, fresh)}.*", details(result) + "."]
+    if not result.get("complete", True):
+        parts.append(f"**This run was cut off after {len(result['sections'])} section(s)** "
+                     f"({result.get('elapsed_s')} s): the sections below are all it recorded.")
     parts += [section_markdown(k, v) for k, v in result["sections"].items()]
     return "\n\n".join(parts)
 
