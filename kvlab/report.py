@@ -99,7 +99,8 @@ class Run:
     plan: dict
     budget: float
     start: float = field(default_factory=time.perf_counter)
-    deadline: float = 0.0
+    deadline: float = 0.0                 # this section's
+    model_deadline: float | None = None   # this model's, within the section (see each_model)
     truncated: bool = False
     _models: dict = field(default_factory=dict)
 
@@ -119,11 +120,25 @@ class Run:
         g = torch.Generator().manual_seed(length * 1000 + batch)
         return torch.randint(0, vocab, (batch, length), generator=g).to(self.device)
 
+    def each_model(self, names=None):
+        """Yield model names, giving each an equal share of the section's time left (so the first
+        model's grid cannot starve the others); a model the deadline has passed is skipped."""
+        names = list(names or self.plan["models"])
+        for i, name in enumerate(names):
+            now = time.perf_counter()
+            if i > 0 and now > self.deadline:
+                self.truncated = True
+                break
+            self.model_deadline = now + max(self.deadline - now, 0) / (len(names) - i)
+            yield name
+        self.model_deadline = None
+
     def points(self, items, desc: str):
-        """Yield ``items`` until this section's deadline, with a progress bar; flag a cut grid."""
+        """Yield ``items`` until the model's (else the section's) deadline, with a progress bar; flag a
+        cut grid. The first point always runs, so every grid has at least one."""
         items = list(items)
         for i, item in enumerate(tqdm(items, desc=desc, leave=False)):
-            if i > 0 and time.perf_counter() > self.deadline:    # the first point always runs
+            if i > 0 and time.perf_counter() > (self.model_deadline or self.deadline):
                 self.truncated = True
                 return
             yield item
@@ -144,7 +159,7 @@ def _num(x: float, digits: int = 5) -> float:
 def speedup(run: Run) -> dict:
     """Chapter 2's headline: naive over cached total time for N new tokens from an 8-token prompt."""
     rows = []
-    for name in run.plan["models"]:
+    for name in run.each_model():
         hf, _ = run.model(name)
         prompt = run.prompt(name, 8)
         naive_generate(hf, prompt, 4), cached_generate(hf, prompt, 4)           # warm-up
@@ -155,6 +170,12 @@ def speedup(run: Run) -> dict:
                              cached_s=_num(t["cached"].median),
                              speedup=_num(timing.ratio(t["naive"], t["cached"]), 4)))
     return dict(prompt_len=8, rows=rows)
+
+
+def _new_tokens(run: Run, model) -> int:
+    """The plan's new tokens, at most 50 for a GPT-2-sized model on a CPU."""
+    big_on_cpu = run.device.type == "cpu" and model.config.n_embd > 512
+    return min(run.plan["new_tokens"], 50) if big_on_cpu else run.plan["new_tokens"]
 
 
 def _naive_step(hf, ids):
@@ -180,7 +201,7 @@ def _cached_step(hf, ids, p: int):
 def per_position(run: Run) -> dict:
     """Chapters 1-2: milliseconds per generated token at position p, without and with the cache."""
     rows = []
-    for name in run.plan["models"]:
+    for name in run.each_model():
         hf, _ = run.model(name)
         ids = run.prompt(name, hf.config.n_positions)
         for p in run.points(_fit(hf, run.device, run.plan["positions"], 256), f"per position {name}"):
@@ -201,9 +222,9 @@ def _first_difference(a: torch.Tensor, b: torch.Tensor):
 def ours_vs_transformers(run: Run) -> dict:
     """Chapter 3: transformers' generate, our DynamicCache loop and the hand-built GPT-2, same tokens?"""
     rows = []
-    for name in run.points(run.plan["models"], "ours vs transformers"):
+    for name in run.each_model():
         hf, ours = run.model(name)
-        n_new = min(run.plan["new_tokens"], 50 if run.device.type == "cpu" and hf.config.n_embd > 512 else 10**9)
+        n_new = _new_tokens(run, hf)
         prompt = run.prompt(name, 8)
         fns = {"transformers generate": lambda: hf_greedy(hf, prompt, n_new),
                "kvlab cached_generate": lambda: cached_generate(hf, prompt, n_new),
@@ -225,7 +246,7 @@ def batch_throughput(run: Run) -> dict:
     """Chapter 6: new tokens per second of ``generate_batch`` for B equal-length prompts."""
     rows = []
     n_new, prompt_len = run.plan["batch_new"], 16
-    for name in run.plan["models"]:
+    for name in run.each_model():
         hf, _ = run.model(name)
         sizes = [b for b in run.plan["batch_sizes"]
                  if not (run.device.type == "cpu" and hf.config.n_embd > 512 and b > 8)]
@@ -273,7 +294,7 @@ def floor(run: Run) -> dict:
                                        verbose=False)
     cache_limit = 16 * 2**30 if run.device.type == "cuda" else 2**30     # skip what would not fit well
     rows = []
-    for name in run.plan["models"]:
+    for name in run.each_model():
         _, ours = run.model(name)
         ctx, big_on_cpu = ours.config.n_positions, run.device.type == "cpu" and ours.config.n_embd > 512
         grid = [(b, s) for s in run.plan["floor_seq"] if s < ctx for b in run.plan["floor_batches"]
@@ -295,9 +316,9 @@ def compiled(run: Run) -> dict:
     backend = run.plan["compile_backend"]
     mode = "reduce-overhead" if run.device.type == "cuda" and backend == "inductor" else "default"
     rows = []
-    for name in run.points(run.plan["compiled_models"], "compiled"):
+    for name in run.each_model(run.plan["compiled_models"]):
         _, ours = run.model(name)
-        n_new = min(run.plan["new_tokens"], 50 if run.device.type == "cpu" and ours.config.n_embd > 512 else 10**9)
+        n_new = _new_tokens(run, ours)
         prompt = run.prompt(name, 8)
         static = StaticDecoder(ours, max_len=8 + n_new)
         comp = StaticDecoder(ours, max_len=8 + n_new).compile(backend=backend)
@@ -313,7 +334,8 @@ def compiled(run: Run) -> dict:
         base = t["eager, preallocated cache"]
         for k, tk in t.items():
             rows.append(dict(model=name, variant=k, new_tokens=n_new, median_s=_num(tk.median),
-                             tokens_per_s=_num(n_new / tk.median, 4), vs_eager=_num(timing.ratio(base, tk), 4),
+                             tokens_per_s=_num(n_new / tk.median, 4),
+                             vs_eager=_num(timing.ratio(base, tk), 4),
                              identical_tokens=first_diff[k] is None, first_difference=first_diff[k],
                              compile_s=_num(compile_s, 3) if k.endswith("compiled") else None))
     return dict(backend=backend, mode=mode, prompt_len=8, rows=rows)
@@ -405,7 +427,7 @@ def _section(fn, run: Run, share: float) -> dict:
         return dict(status="skipped", reason=f"{needed} is not in this build of kvlab", seconds=0.0)
     if run.left() <= 0:
         return dict(status="skipped", reason="the time budget was spent before this section", seconds=0.0)
-    run.deadline, run.truncated = time.perf_counter() + share, False
+    run.deadline, run.model_deadline, run.truncated = time.perf_counter() + share, None, False
     t0 = time.perf_counter()
     try:
         out = fn(run)
@@ -480,11 +502,13 @@ def main(argv=None) -> int:
                                                    "cuda when present, else cpu)")
     ap.add_argument("--quick", action="store_true", default=None,
                     help="the small grids of the test suite (default: on when KVLAB_QUICK=1)")
-    ap.add_argument("--budget", type=float, default=None, help="seconds for the whole run "
-                                                               "(default: 40 quick, 240 on a GPU, 600 on a CPU)")
-    ap.add_argument("--sections", default=",".join(SECTIONS), help="comma-separated subset of " + ", ".join(SECTIONS))
+    ap.add_argument("--budget", type=float, default=None,
+                    help="seconds for the whole run (default: 40 quick, 240 on a GPU, 600 on a CPU)")
+    ap.add_argument("--sections", default=",".join(SECTIONS),
+                    help="comma-separated subset of " + ", ".join(SECTIONS))
     ap.add_argument("--models", default=None, help="comma-separated model names (default: the plan's)")
-    ap.add_argument("--threads", type=int, default=None, help="CPU threads (default: KVLAB_THREADS or all cores, at most 8)")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="CPU threads (default: KVLAB_THREADS or all cores, at most 8)")
     ap.add_argument("--figure", default=None, help="also draw the result's panels into this PNG")
     args = ap.parse_args(argv)
     if not args.out.endswith(".json"):

@@ -159,7 +159,7 @@ def section_markdown(name: str, sec: dict) -> str:
              and not isinstance(v, (dict, list))}
     note = ", ".join(f"{HEADERS.get(k, k.replace('_', ' '))} {_cell(v)}" for k, v in extra.items())
     cut = " The time budget ran out: the grid stops early." if status == "truncated" else ""
-    head = f"{title} ({note}; {sec.get('seconds')} s).{cut}" if note else f"{title} ({sec.get('seconds')} s).{cut}"
+    head = f"{title} ({note + '; ' if note else ''}{sec.get('seconds')} s).{cut}"
     return head + "\n\n" + (table(sec["rows"]) if sec.get("rows") else "No rows.")
 
 
@@ -197,7 +197,8 @@ def figure(result, fresh: bool = False):
             groups.setdefault(tuple(r[k] for k in split), []).append(r)
         for g, grows in groups.items():
             for y in ys:
-                label = " ".join(map(str, g)) + (f" {HEADERS.get(y, y).split(' (')[0]}" if len(ys) > 1 else "")
+                what = f" {HEADERS.get(y, y).split(' (')[0]}" if len(ys) > 1 else ""
+                label = " ".join(map(str, g)) + what
                 ax.plot([r[x] for r in grows], [r[y] for r in grows], "o-", ms=4, label=label)
         if log2:
             ax.set_xscale("log", base=2)
