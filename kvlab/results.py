@@ -119,6 +119,10 @@ def details(result) -> str:
     if d.get("cuda"):
         parts.append(f"CUDA {d['cuda']}, driver {d.get('driver') or '?'}, capability {d.get('capability')}")
     parts.append(f"{d.get('torch_threads')} torch threads of {d.get('cpu_cores')} cores")
+    loads = [d.get("load_average_start"), d.get("load_average_end")]
+    if all(loads):      # the 1-minute load average when the run started and ended
+        parts.append(f"host load average {loads[0][0]:g} at the start, {loads[1][0]:g} at the end "
+                     f"(above {d.get('cpu_cores')}: other work shared the cores, and timings are noisier)")
     kinds = ", ".join(f"{k} ({v['kind']})" for k, v in p.get("models", {}).items())
     return "; ".join(parts) + (f"; models: {kinds}" if kinds else "")
 
