@@ -136,13 +136,17 @@ class Run:
 
     def points(self, items, desc: str):
         """Yield ``items`` until the model's (else the section's) deadline, with a progress bar; flag a
-        cut grid. The first point always runs, so every grid has at least one."""
-        items = list(items)
+        cut grid. The first point always runs, so every grid has at least one. The grids grow (longer
+        N, later positions, bigger batches), so a point costs at least what the one before it did:
+        one that would end past the deadline on that estimate is not started."""
+        items, last = list(items), 0.0
         for i, item in enumerate(tqdm(items, desc=desc, leave=False)):
-            if i > 0 and time.perf_counter() > (self.model_deadline or self.deadline):
+            if i > 0 and time.perf_counter() + last > (self.model_deadline or self.deadline):
                 self.truncated = True
                 return
+            t0 = time.perf_counter()
             yield item
+            last = time.perf_counter() - t0
 
     def compare(self, fns: dict, warmup: int = 1) -> dict:
         return timing.compare(fns, warmup=warmup, repeats=self.plan["repeats"], progress=False)

@@ -121,8 +121,10 @@ def details(result) -> str:
     parts.append(f"{d.get('torch_threads')} torch threads of {d.get('cpu_cores')} cores")
     loads = [d.get("load_average_start"), d.get("load_average_end")]
     if all(loads):      # the 1-minute load average when the run started and ended
-        parts.append(f"host load average {loads[0][0]:g} at the start, {loads[1][0]:g} at the end "
-                     f"(above {d.get('cpu_cores')}: other work shared the cores, and timings are noisier)")
+        busy = max(loads[0][0], loads[1][0]) > (d.get("cpu_cores") or 1)
+        parts.append(f"host load average {loads[0][0]:g} at the start, {loads[1][0]:g} at the end"
+                     + (" (more than its cores: other work shared them, so the timings are noisy)"
+                        if busy else ""))
     kinds = ", ".join(f"{k} ({v['kind']})" for k, v in p.get("models", {}).items())
     return "; ".join(parts) + (f"; models: {kinds}" if kinds else "")
 

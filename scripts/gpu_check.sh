@@ -21,8 +21,8 @@
 #
 # CPU dry run (tests/test_report.py): KVLAB_DEVICE=cpu KVLAB_QUICK=1 KVLAB_SKIP_INSTALL=1, with
 # KVLAB_CHECK_SOLUTIONS / KVLAB_CHECK_CHAPTERS naming small notebooks ("none" skips a stage).
-# Other knobs: KVLAB_CHECK_DEADLINE (seconds for everything, default 460), KVLAB_CHECK_WORKERS
-# (parallel notebooks when pytest-xdist is there), PYTHON.
+# Other knobs: KVLAB_CHECK_DEADLINE (seconds for everything, default 460), KVLAB_REPORT_BUDGET
+# (the report's --budget), KVLAB_CHECK_WORKERS (parallel notebooks when pytest-xdist is there), PYTHON.
 set -uo pipefail
 
 OUT=${1:?usage: bash scripts/gpu_check.sh OUTDIR}
@@ -125,6 +125,7 @@ if [ "$QUICK" = 1 ]; then
     REPORT_ARGS=(--quick)
     if [ "$budget" -gt 40 ]; then budget=40; fi
 fi
+budget=${KVLAB_REPORT_BUDGET:-$budget}
 stage report $((budget + 60)) "$OUT/report.log" "$PY" -m kvlab.report --device "$KVLAB_DEVICE" \
     "${REPORT_ARGS[@]}" --budget "$budget" --out "$OUT/report.json" --figure "$OUT/report.png"
 

@@ -58,6 +58,8 @@ def dry_run(tmp_path_factory):
     env = dict(os.environ, KVLAB_DEVICE="cpu", KVLAB_QUICK="1", KVLAB_SKIP_INSTALL="1",
                KVLAB_CHECK_SOLUTIONS=str(d / "smoke_solution.ipynb"),
                KVLAB_CHECK_CHAPTERS=str(d / "smoke_chapter.md"), KVLAB_COMMIT=COMMIT,
+               # quick grids are small; a generous budget keeps a busy machine from skipping a section
+               KVLAB_REPORT_BUDGET="300",
                PYTHON=sys.executable, PYTHONPATH=str(REPO_ROOT))
     out = d / "out"
     proc = subprocess.run(["bash", "scripts/gpu_check.sh", str(out)], cwd=REPO_ROOT, env=env,
