@@ -2,7 +2,8 @@
 
 One module per idea: ``models`` (load every model the book uses), ``generate`` (reference
 generators), ``timing`` (honest timing), ``checks`` (the lab graders), ``labs`` (solutions -> labs).
-Later chapters add ``cache``, ``memory``, ``quant`` and ``batching``.
+Later chapters add ``gpt2`` and ``cache`` (chapter 3), ``memory`` (the arithmetic), ``measure`` (what
+tensors really hold) and ``calculator`` (chapter 4), ``quant`` (chapter 5) and ``batching`` (chapter 6).
 """
 
 __version__ = "0.1.0"

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from .generate import context_length
+from .generate import check_budget, check_ids
 
 
 def pad_token_id(tokenizer) -> int:
@@ -82,10 +82,7 @@ def make_batch(tokenizer, prompts, device=None):
 
 
 def _check_batch(model, input_ids, attention_mask, max_new_tokens) -> None:
-    if not isinstance(input_ids, torch.Tensor) or input_ids.dtype != torch.long or input_ids.dim() != 2:
-        raise ValueError("input_ids must be a LongTensor [batch, T]; build it with make_batch")
-    if input_ids.shape[0] == 0 or input_ids.shape[1] == 0:
-        raise ValueError(f"empty batch: input_ids has shape {list(input_ids.shape)}")
+    check_ids(input_ids, batched=True, hint="build it with make_batch")
     if not isinstance(attention_mask, torch.Tensor) or attention_mask.shape != input_ids.shape:
         got = list(attention_mask.shape) if isinstance(attention_mask, torch.Tensor) else type(attention_mask).__name__
         raise ValueError(f"attention_mask must have the shape of input_ids {list(input_ids.shape)}, got {got}")
@@ -99,19 +96,12 @@ def _check_batch(model, input_ids, attention_mask, max_new_tokens) -> None:
     if bool((attention_mask[:, 1:] < attention_mask[:, :-1]).any()):
         raise ValueError("the batch is not left-padded (a 0 follows a 1 in attention_mask): the next token is "
                          "read from the last column, which must hold every row's last real token")
-    if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens must be a non-negative int, got {max_new_tokens!r}")
-    limit, longest = context_length(model), int(lengths.max())
-    if longest + max_new_tokens > limit:
-        row = int(lengths.argmax())
-        raise ValueError(f"prompt {row} ({longest} tokens) + max_new_tokens ({max_new_tokens}) = "
-                         f"{longest + max_new_tokens} exceeds the model's context of {limit} positions; "
-                         "shorten it or ask for fewer tokens (nothing is truncated for you)")
+    check_budget(model, int(lengths.max()), max_new_tokens, what=f"prompt {int(lengths.argmax())}")
 
 
 @torch.no_grad()
 def generate_batch(model, input_ids, attention_mask, max_new_tokens: int, eos_token_id=None, pad_id=None):
-    """Greedy new tokens for a left-padded batch, one forward per step with a ``DynamicCache``.
+    """Greedy new tokens for a left-padded batch, one forward per step with a ``DynamicCache`` (chapter 6).
 
     Returns a ``LongTensor [B, n]`` of new tokens, ``n = max_new_tokens`` unless ``eos_token_id`` is
     given and every row has produced it (then generation stops early). A row that has finished is fed

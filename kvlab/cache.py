@@ -25,6 +25,7 @@ class Cache(ABC):
     """The interface every kvlab cache implements."""
 
     n_layer: int
+    _len: int = 0   # tokens stored in every layer (the caches that count rather than measure)
 
     @abstractmethod
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -35,9 +36,31 @@ class Cache(ABC):
         """Forget every stored token (keep the memory, if preallocated)."""
 
     @property
-    @abstractmethod
     def seq_len(self) -> int:
         """Number of tokens stored (equal in every layer between forward passes)."""
+        return self._len
+
+    def _advance(self, layer: int, new_tokens: int) -> None:
+        """Count ``new_tokens`` once the *last* layer has stored them: during a forward pass every
+        layer must read the same ``seq_len`` (the position offset of the new tokens)."""
+        if layer == self.n_layer - 1:
+            self._len += new_tokens
+
+    def _check_update(self, k: torch.Tensor, v: torch.Tensor) -> int:
+        """For caches sized up front (``batch_size``, ``n_head``, ``head_dim``, ``max_len``): refuse keys
+        and values of another shape, or more tokens than fit; return the number of new tokens."""
+        B, H, T, D = k.shape
+        if (B, H, D) != (self.batch_size, self.n_head, self.head_dim) or v.shape != k.shape:
+            raise ValueError(
+                f"cache holds [batch={self.batch_size}, heads={self.n_head}, seq, head_dim={self.head_dim}] "
+                f"but got keys {list(k.shape)} and values {list(v.shape)}")
+        if self._len + T > self.max_len:
+            raise ValueError(
+                f"cannot store {T} more token(s) after the {self._len} already cached: that is "
+                f"{self._len + T} tokens, past the cache's max_len of {self.max_len}. GPT-2's context "
+                "(n_positions) is the real limit: it has no position embedding beyond it, so shorten the "
+                "prompt or generate less")
+        return T
 
     @property
     @abstractmethod
@@ -45,7 +68,8 @@ class Cache(ABC):
         """Bytes of tensor storage the cache holds right now (allocated, not just used)."""
 
 
-def _nbytes(*tensors) -> int:
+def tensor_bytes(*tensors) -> int:
+    """Bytes of the elements of ``tensors`` (``None`` entries, an empty layer, count 0)."""
     return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
@@ -70,37 +94,23 @@ class PreallocatedCache(Cache):
         self._len = 0   # tokens stored in every layer, i.e. where the next write starts
 
     def update(self, layer, k, v):
-        B, H, T, D = k.shape
-        if (B, H, D) != (self.batch_size, self.n_head, self.head_dim) or v.shape != k.shape:
-            raise ValueError(
-                f"cache holds [batch={self.batch_size}, heads={self.n_head}, seq, head_dim={self.head_dim}] "
-                f"but got keys {list(k.shape)} and values {list(v.shape)}")
+        T = self._check_update(k, v)                   # the cache's shape, and room for T more tokens
         start, end = self._len, self._len + T
-        if end > self.max_len:
-            raise ValueError(
-                f"cannot store {T} more token(s) after the {start} already cached: that is {end} tokens, "
-                f"past the cache's max_len of {self.max_len}. GPT-2's context (n_positions) is the real "
-                "limit: it has no position embedding beyond it, so shorten the prompt or generate less")
         self.keys[layer, :, :, start:end] = k          # in place: the past is never copied
         self.values[layer, :, :, start:end] = v
-        if layer == self.n_layer - 1:                  # every layer has seen these tokens now
-            self._len = end
+        self._advance(layer, T)                        # after the last layer: every layer has them
         return self.keys[layer, :, :, :end], self.values[layer, :, :, :end]
 
     def reset(self):
         self._len = 0  # the buffers stay allocated; stale entries are simply never read again
 
     @property
-    def seq_len(self):
-        return self._len
-
-    @property
     def nbytes(self):
-        return _nbytes(self.keys, self.values)
+        return tensor_bytes(self.keys, self.values)
 
 
 class ConcatCache(Cache):
-    """The obvious cache: append each step's keys and values with ``torch.cat`` (what transformers'
+    """Chapter 3's first cache: append each step's keys and values with ``torch.cat`` (what transformers'
     ``DynamicCache`` does). Every step allocates a new tensor one token longer and copies the whole
     past into it, so a step at position ``p`` moves ``O(p)`` bytes just to remember them."""
 
@@ -128,7 +138,7 @@ class ConcatCache(Cache):
 
     @property
     def nbytes(self):
-        return _nbytes(*self.keys, *self.values)
+        return tensor_bytes(*self.keys, *self.values)
 
 
 class SlidingWindowCache(Cache):
@@ -150,9 +160,10 @@ class SlidingWindowCache(Cache):
         self.n_layer, self.window = n_layer, window
         self.keys: list[torch.Tensor | None] = [None] * n_layer
         self.values: list[torch.Tensor | None] = [None] * n_layer
-        self._seen = 0
+        self._len = 0   # every token seen, held or dropped
 
     def update(self, layer, k, v):
+        """Chapter 3's aside: append, attend over held + new tokens, keep only the last ``window``."""
         new = k.shape[2]
         if self.keys[layer] is not None:
             k = torch.cat([self.keys[layer], k], dim=2)
@@ -160,19 +171,14 @@ class SlidingWindowCache(Cache):
         # keep a copy of the last `window` tokens only; what falls out is forgotten for good
         self.keys[layer] = k[:, :, -self.window:].clone()
         self.values[layer] = v[:, :, -self.window:].clone()
-        if layer == self.n_layer - 1:
-            self._seen += new   # positions count every token, held or dropped
+        self._advance(layer, new)   # positions count every token, held or dropped
         return k, v
 
     def reset(self):
         self.keys = [None] * self.n_layer
         self.values = [None] * self.n_layer
-        self._seen = 0
-
-    @property
-    def seq_len(self):
-        return self._seen
+        self._len = 0
 
     @property
     def nbytes(self):
-        return _nbytes(*self.keys, *self.values)
+        return tensor_bytes(*self.keys, *self.values)

@@ -9,20 +9,15 @@ from __future__ import annotations
 
 import torch
 
-
-def context_length(model) -> int:
-    """The longest sequence the model can attend over (GPT-2: ``n_positions``, 1024)."""
-    cfg = model.config
-    return int(getattr(cfg, "n_positions", None) or getattr(cfg, "max_position_embeddings"))
+from .memory import context_length
 
 
-def check_inputs(model, input_ids, max_new_tokens: int, batched: bool = False) -> torch.Tensor:
-    """Validate a prompt (``[1, T]``; ``[B, T]`` of equal-length prompts when ``batched``) and a token
-    budget; return ``input_ids`` on the model's device."""
+def check_ids(input_ids, batched: bool = False,
+              hint: str = "use tokenizer(text, return_tensors='pt').input_ids") -> None:
+    """``input_ids`` must be a non-empty ``LongTensor [1, T]`` (``[B, T]`` when ``batched``)."""
     shape = "[batch, T]" if batched else "[1, T]"
     if not isinstance(input_ids, torch.Tensor) or input_ids.dtype != torch.long:
-        raise ValueError(f"input_ids must be a torch.LongTensor of token ids, shape {shape}; "
-                         "use tokenizer(text, return_tensors='pt').input_ids")
+        raise ValueError(f"input_ids must be a torch.LongTensor of token ids, shape {shape}; {hint}")
     if input_ids.dim() != 2 or (not batched and input_ids.shape[0] != 1):
         raise ValueError(f"input_ids must have shape {shape}, got {list(input_ids.shape)}"
                          + ("" if batched else "; for several prompts see chapter 6 (batched generation)"))
@@ -30,21 +25,31 @@ def check_inputs(model, input_ids, max_new_tokens: int, batched: bool = False) -
         raise ValueError(f"the prompt is empty (shape {list(input_ids.shape)}): greedy generation needs at "
                          "least one token to condition on (start from the tokenizer's bos/eos token if you "
                          "want unconditional text)")
+
+
+def check_budget(model, prompt_len: int, max_new_tokens: int, what: str = "prompt") -> None:
+    """``max_new_tokens`` must be an int >= 0, and ``prompt_len + max_new_tokens`` fit the context."""
     if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be a non-negative int, got {max_new_tokens!r}")
-    limit = context_length(model)
-    total = input_ids.shape[1] + max_new_tokens
-    if total > limit:
+    limit, total = context_length(model), prompt_len + max_new_tokens
+    if limit is not None and total > limit:
         raise ValueError(
-            f"prompt ({input_ids.shape[1]} tokens) + max_new_tokens ({max_new_tokens}) = {total} exceeds "
+            f"{what} ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) = {total} exceeds "
             f"the model's context of {limit} positions; shorten the prompt or ask for fewer tokens "
             "(GPT-2 has no position embedding beyond its context, so nothing is truncated for you)")
+
+
+def check_inputs(model, input_ids, max_new_tokens: int, batched: bool = False) -> torch.Tensor:
+    """Validate a prompt (``[1, T]``; ``[B, T]`` of equal-length prompts when ``batched``) and a token
+    budget; return ``input_ids`` on the model's device."""
+    check_ids(input_ids, batched)
+    check_budget(model, input_ids.shape[1], max_new_tokens)
     return input_ids.to(next(model.parameters()).device)
 
 
 @torch.no_grad()
 def naive_generate(model, input_ids: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
-    """Greedy decoding with no cache: every step re-runs the whole sequence (O(N^2) token-positions)."""
+    """Greedy decoding with no cache (chapter 1): every step re-runs the whole sequence (O(N^2) positions)."""
     ids = check_inputs(model, input_ids, max_new_tokens)
     for _ in range(max_new_tokens):
         logits = model(ids, use_cache=False).logits       # [1, t, vocab]: all positions recomputed
@@ -55,7 +60,8 @@ def naive_generate(model, input_ids: torch.Tensor, max_new_tokens: int) -> torch
 
 @torch.no_grad()
 def cached_generate(model, input_ids: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
-    """Greedy decoding with transformers' ``DynamicCache``: prefill the prompt once, then one token a step."""
+    """Greedy decoding with transformers' ``DynamicCache`` (chapter 2): prefill the prompt once, then one
+    token a step."""
     from transformers import DynamicCache
 
     ids = check_inputs(model, input_ids, max_new_tokens)

@@ -28,7 +28,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .cache import PreallocatedCache
-from .generate import check_inputs as _check_inputs
+from .generate import check_inputs
 
 
 @dataclass
@@ -54,7 +54,7 @@ class GPT2Config:
 
 
 def attention(q, k, v, past_len: int):
-    """Causal attention of ``T`` new queries over all ``S = past_len + T`` keys, written out.
+    """Causal attention of ``T`` new queries over all ``S = past_len + T`` keys, written out (chapter 3).
 
     ``q``: ``[B, H, T, D]``; ``k``, ``v``: ``[B, H, S, D]``. Query ``i`` is the token at position
     ``past_len + i``, so it may attend to keys ``0 .. past_len + i`` (everything cached, plus the new
@@ -69,7 +69,7 @@ def attention(q, k, v, past_len: int):
 
 
 def sdpa_attention(q, k, v, past_len: int):
-    """The same as :func:`attention`, through PyTorch's fused ``scaled_dot_product_attention``.
+    """:func:`attention` through PyTorch's fused ``scaled_dot_product_attention`` (chapter 3).
 
     Careful with ``is_causal=True``: it aligns the mask to the *top-left* corner (query ``i`` sees
     keys ``0 .. i``), which is right only when there is no past. With ``past_len > 0`` and ``T > 1``
@@ -90,6 +90,8 @@ def sdpa_attention(q, k, v, past_len: int):
 
 
 class CausalSelfAttention(nn.Module):
+    """GPT-2's attention with a KV cache (chapter 3): the new tokens' keys and values go through the cache."""
+
     def __init__(self, cfg: GPT2Config):
         super().__init__()
         self.n_head, self.head_dim = cfg.n_head, cfg.head_dim
@@ -109,6 +111,8 @@ class CausalSelfAttention(nn.Module):
 
 
 class MLP(nn.Module):
+    """GPT-2's feed-forward block (chapter 3), with the tanh GELU the checkpoint was trained with."""
+
     def __init__(self, cfg: GPT2Config):
         super().__init__()
         self.c_fc = nn.Linear(cfg.n_embd, 4 * cfg.n_embd)
@@ -148,7 +152,7 @@ class GPT2(nn.Module):
 
     def forward(self, input_ids, cache=None, last_only: bool = False):
         """Logits ``[B, T, vocab]`` for ``input_ids [B, T]`` that follow the ``cache.seq_len`` cached
-        tokens (``[B, 1, vocab]`` with ``last_only``: all that generation needs)."""
+        tokens (``[B, 1, vocab]`` with ``last_only``: all that generation needs). Chapter 3."""
         B, T = input_ids.shape
         past_len = cache.seq_len if cache is not None else 0
         if past_len + T > self.config.n_positions:
@@ -174,7 +178,7 @@ class GPT2(nn.Module):
     @classmethod
     @torch.no_grad()
     def from_hf(cls, hf_model, attention_fn: Callable | None = None, cache_cls=None) -> "GPT2":
-        """Copy the weights of a transformers ``GPT2LMHeadModel`` (same dtype and device)."""
+        """Copy the weights of a transformers ``GPT2LMHeadModel`` (same dtype and device; chapter 3)."""
         cfg = GPT2Config.from_hf(hf_model.config)
         p = next(hf_model.parameters())
         model = cls(cfg, attention_fn, cache_cls).to(device=p.device, dtype=p.dtype)
@@ -193,19 +197,14 @@ class GPT2(nn.Module):
 # Greedy generation
 
 
-def check_inputs(model, input_ids, max_new_tokens: int) -> torch.Tensor:
-    """:func:`kvlab.generate.check_inputs` for a batch ``[B, T]`` of equal-length prompts."""
-    return _check_inputs(model, input_ids, max_new_tokens, batched=True)
-
-
 @torch.no_grad()
 def generate(model: GPT2, input_ids, max_new_tokens: int, cache=None) -> torch.Tensor:
-    """Greedy decoding with a cache: prefill the prompt once, then one token per step.
+    """Greedy decoding with a cache (chapter 3): prefill the prompt once, then one token per step.
 
     ``cache`` is reset first (a new prompt must not see the previous one's keys); without one, a
     :meth:`GPT2.new_cache` just big enough is made. Returns ``[B, T + max_new_tokens]``.
     """
-    ids = check_inputs(model, input_ids, max_new_tokens)
+    ids = check_inputs(model, input_ids, max_new_tokens, batched=True)
     B, T = ids.shape
     if max_new_tokens == 0:
         return ids
@@ -225,7 +224,7 @@ def generate(model: GPT2, input_ids, max_new_tokens: int, cache=None) -> torch.T
 @torch.no_grad()
 def generate_uncached(model: GPT2, input_ids, max_new_tokens: int) -> torch.Tensor:
     """Step (a) of chapter 3: no cache, the whole sequence through the model at every step."""
-    ids = check_inputs(model, input_ids, max_new_tokens)
+    ids = check_inputs(model, input_ids, max_new_tokens, batched=True)
     for _ in range(max_new_tokens):
         next_id = model(ids, last_only=True)[:, -1].argmax(dim=-1, keepdim=True)
         ids = torch.cat([ids, next_id], dim=1)

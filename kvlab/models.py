@@ -17,7 +17,6 @@ falls back to ``kvlab-tiny``, and prints which it chose and why.
 from __future__ import annotations
 
 import json
-import math
 import os
 import platform
 import socket
@@ -219,25 +218,35 @@ def banner(model, device=None) -> str:
 
 
 @torch.no_grad()
-def perplexity(model, ids, window: int = 512) -> float:
-    """Perplexity of ``model`` on a 1-D tensor of token ids.
+def window_loss(model, ids, window: int = 512, batch: int = 8,
+                max_windows: int | None = None) -> tuple[float, int]:
+    """The book's perplexity protocol (the model card, ``models/train_tiny.py``, the tests).
 
-    The protocol of the model card: consecutive, non-overlapping windows of ``window`` tokens (the
-    last partial window dropped), mean cross-entropy over every predicted position of every window.
+    Cut a 1-D sequence of token ids into consecutive, non-overlapping windows of ``window`` tokens
+    (the last partial window is dropped; ``max_windows`` keeps an evenly spaced subset), run the
+    model on each (``batch`` windows at a time, in eval mode) and average the cross-entropy over
+    every predicted position (``window - 1`` per window). Returns ``(mean loss in nats, windows)``;
+    the perplexity is ``exp`` of the loss.
     """
-    ids = torch.as_tensor(ids).flatten()
-    device = next(model.parameters()).device
+    ids = torch.as_tensor(ids, dtype=torch.long).flatten()
     n = ids.numel() // window
     if n == 0:
         raise ValueError(f"need at least {window} tokens, got {ids.numel()}")
+    windows = ids[:n * window].view(n, window)
+    if max_windows is not None and n > max_windows:
+        windows = windows[torch.linspace(0, n - 1, max_windows).long()]
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
     total, count = 0.0, 0
-    for i in range(n):
-        chunk = ids[i * window:(i + 1) * window].to(device)[None]
-        logits = model(chunk).logits.float()
-        loss = torch.nn.functional.cross_entropy(logits[0, :-1], chunk[0, 1:], reduction="sum")
-        total += loss.item()
-        count += window - 1
-    return math.exp(total / count)
+    for i in range(0, windows.shape[0], batch):
+        x = windows[i:i + batch].to(device)
+        logits = model(input_ids=x).logits.float()
+        total += torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), x[:, 1:].flatten(),
+                                                   reduction="sum").item()
+        count += x[:, 1:].numel()
+    model.train(was_training)
+    return total / count, windows.shape[0]
 
 
 def stamp(model, device=None) -> str:

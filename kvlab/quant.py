@@ -31,7 +31,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from .cache import Cache
+from .cache import Cache, tensor_bytes
 
 SUPPORTED_BITS = (2, 4, 8)
 
@@ -46,7 +46,8 @@ def check_bits(bits) -> int:
 # ----------------------------------------------------------------------------- quantize / dequantize
 
 def quantize(x: torch.Tensor, bits: int, dim) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Asymmetric min/max quantization of ``x`` to ``bits`` bits along ``dim`` (an int or a tuple).
+    """Asymmetric min/max quantization of ``x`` to ``bits`` bits along ``dim`` (an int or a tuple;
+    chapter 5).
 
     Returns ``(q, scale, zero_point)``: ``q`` is ``torch.uint8`` with the shape of ``x`` and values in
     ``[0, 2**bits - 1]``; ``scale`` and ``zero_point`` have ``x``'s dtype and its shape with ``dim``
@@ -105,7 +106,7 @@ def absmax_per_tensor_fake_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Te
 # ----------------------------------------------------------------------------- packing
 
 def pack(q: torch.Tensor, bits: int) -> torch.Tensor:
-    """Pack ``8 // bits`` codes per byte along the last axis (8 bits: returned as is)."""
+    """Pack ``8 // bits`` codes per byte along the last axis (8 bits: returned as is; chapter 5)."""
     per = 8 // check_bits(bits)
     if q.dtype != torch.uint8:
         raise ValueError(f"pack expects torch.uint8 codes, got {q.dtype}")
@@ -145,10 +146,6 @@ def pack_2bit(q: torch.Tensor) -> torch.Tensor:
 
 def unpack_2bit(p: torch.Tensor) -> torch.Tensor:
     return unpack(p, 2)
-
-
-def tensor_bytes(*tensors) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
 # ----------------------------------------------------------------------------- the quantized cache
@@ -213,10 +210,6 @@ class QuantizedCache(Cache):
         self._len = 0
 
     @property
-    def seq_len(self) -> int:
-        return self._len
-
-    @property
     def quantized_len(self) -> int:
         """Tokens stored quantized (the rest are in the full-precision window)."""
         return 0 if self._qk[0] is None else self._qk[0][0].shape[2] * self.block
@@ -240,12 +233,9 @@ class QuantizedCache(Cache):
         return new if old is None else tuple(torch.cat([a, b], dim=2) for a, b in zip(old, new))
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor):
-        B, H, T, D = k.shape
-        if (B, H, D) != (self.batch_size, self.n_head, self.head_dim) or v.shape != k.shape:
-            raise ValueError(f"cache built for batch {self.batch_size}, {self.n_head} heads, head_dim "
-                             f"{self.head_dim}; got keys {list(k.shape)} and values {list(v.shape)}")
-        if self._len + T > self.max_len:
-            raise ValueError(f"cache full: {self._len} + {T} tokens > max_len {self.max_len}")
+        """Chapter 5: append to the window, quantize its oldest whole blocks, return all (dequantized)."""
+        T = self._check_update(k, v)
+        B, H, _, D = k.shape
         if self._win_k[layer] is not None:
             k = torch.cat([self._win_k[layer], k], dim=-2)
             v = torch.cat([self._win_v[layer], v], dim=-2)
@@ -262,8 +252,7 @@ class QuantizedCache(Cache):
             # .clone(): keep only the window's own bytes, not a view of the bigger tensor
             k, v = k[..., nq:, :].clone(), v[..., nq:, :].clone()
         self._win_k[layer], self._win_v[layer] = k, v
-        if layer == self.n_layer - 1:
-            self._len += T
+        self._advance(layer, T)
         if self._qk[layer] is None:
             return k, v
         keys = self._dequantize(self._qk[layer], self.key_mode).to(k.dtype)
@@ -312,16 +301,10 @@ class AbsmaxFakeInt8Cache(Cache):
         self._chunks = [[] for _ in range(self.n_layer)]
         self._len = 0
 
-    @property
-    def seq_len(self) -> int:
-        return self._len
-
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor):
-        if self._len + k.shape[-2] > self.max_len:
-            raise ValueError(f"cache full: {self._len} + {k.shape[-2]} tokens > max_len {self.max_len}")
+        T = self._check_update(k, v)
         self._chunks[layer].append((absmax_per_tensor_fake_int8(k), absmax_per_tensor_fake_int8(v)))
-        if layer == self.n_layer - 1:
-            self._len += k.shape[-2]
+        self._advance(layer, T)
         keys = torch.cat([q * s for (q, s), _ in self._chunks[layer]], dim=-2)
         values = torch.cat([q * s for _, (q, s) in self._chunks[layer]], dim=-2)
         return keys, values
@@ -354,8 +337,7 @@ def compare(ref_logprobs: torch.Tensor, logprobs: torch.Tensor, targets: torch.T
     ``kl``: mean KL(full precision || quantized) of the next-token distributions, in nats;
     ``agree``: fraction of positions where both pick the same top-1 token.
     """
-    nll = -logprobs.gather(-1, targets[..., None]).mean().item()
-    nll_ref = -ref_logprobs.gather(-1, targets[..., None]).mean().item()
+    nll, nll_ref = (-lp.gather(-1, targets[..., None]).mean().item() for lp in (logprobs, ref_logprobs))
     kl = F.kl_div(logprobs, ref_logprobs, log_target=True, reduction="none").sum(-1).mean().item()
     agree = (logprobs.argmax(-1) == ref_logprobs.argmax(-1)).float().mean().item()
     return {"ppl_ref": math.exp(nll_ref), "ppl": math.exp(nll), "ppl_change": math.exp(nll - nll_ref) - 1,

@@ -48,11 +48,6 @@ def set_threads(n: int | None = None, verbose: bool = True) -> int:
     return n
 
 
-def _sync(device) -> None:
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 @dataclass
 class Timing:
     """Seconds per call of one measured function: every sample and their median."""

@@ -17,7 +17,7 @@ nothing but two Debian packages:
    bf16 autocast on the CPU (weights and optimizer state stay fp32), random 512-token
    crops, batch 8, and a fixed *step* budget so that a rerun is the same run step for step.
 5. **Evaluation.** Perplexity on ``heldout.txt`` with the protocol the book uses
-   (``kvlab.models.perplexity`` implements the same): tokenize the whole file as one
+   (``kvlab.models.window_loss``, shared with the tests): tokenize the whole file as one
    string, cut the ids into consecutive non-overlapping 512-token windows (the last
    partial window is dropped), run the model in fp32 and average the cross-entropy over
    all 511 predicted positions of every window; perplexity = exp(mean).
@@ -75,6 +75,8 @@ from tqdm import tqdm
 from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))   # the perplexity protocol lives in kvlab (importable without installing it)
+from kvlab.models import window_loss  # noqa: E402
 WORK = REPO / "models" / "_work"
 DEFAULT_OUT = REPO / "models" / "kvlab-tiny"
 EOT = "<|endoftext|>"
@@ -208,34 +210,6 @@ def encode(tokenizer, text: str) -> list[int]:
 
 # ----------------------------------------------------------------------------------------
 # 3-5. Model, evaluation
-
-
-@torch.no_grad()
-def window_loss(model, ids: list[int] | torch.Tensor, ctx: int = 512, batch: int = 8, max_windows=None):
-    """Mean next-token cross-entropy over consecutive non-overlapping ``ctx``-token windows.
-
-    This is the book's perplexity protocol: the last partial window is dropped and every
-    window contributes its ``ctx - 1`` predicted positions. The model runs in whatever
-    dtype its weights have (fp32 for every figure this script reports).
-    """
-    ids = torch.as_tensor(ids, dtype=torch.long)
-    n = ids.numel() // ctx
-    windows = ids[: n * ctx].view(n, ctx)
-    if max_windows is not None and n > max_windows:  # evenly spaced subset
-        windows = windows[torch.linspace(0, n - 1, max_windows).long()]
-    was_training = model.training
-    model.eval()
-    total, count = 0.0, 0
-    for i in range(0, windows.shape[0], batch):
-        x = windows[i : i + batch]
-        logits = model(input_ids=x).logits.float()
-        loss = torch.nn.functional.cross_entropy(
-            logits[:, :-1].reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1), reduction="sum"
-        )
-        total += loss.item()
-        count += x[:, 1:].numel()
-    model.train(was_training)
-    return total / count, windows.shape[0]
 
 
 def lr_at(step: int, args) -> float:
@@ -404,15 +378,15 @@ def main(argv=None) -> dict:
 
     # 5. Evaluation (fp32) --------------------------------------------------------------
     model.eval()
-    val_loss, n_val_windows = window_loss(model, held_ids, ctx=args.ctx)
-    train_loss, n_train_windows = window_loss(model, train_ids, ctx=args.ctx, max_windows=48)
+    val_loss, n_val_windows = window_loss(model, held_ids, window=args.ctx)
+    train_loss, n_train_windows = window_loss(model, train_ids, window=args.ctx, max_windows=48)
     print(f"fp32: val loss {val_loss:.4f} ppl {math.exp(val_loss):.2f} | train loss {train_loss:.4f}", flush=True)
 
     # 6. Export in fp16, reload as fp32, re-evaluate and compare greedy output ----------
     copy.deepcopy(model).half().save_pretrained(out)
     reloaded = GPT2LMHeadModel.from_pretrained(out, dtype=torch.float32).eval()
-    val16, _ = window_loss(reloaded, held_ids, ctx=args.ctx)
-    train16, _ = window_loss(reloaded, train_ids, ctx=args.ctx, max_windows=48)
+    val16, _ = window_loss(reloaded, held_ids, window=args.ctx)
+    train16, _ = window_loss(reloaded, train_ids, window=args.ctx, max_windows=48)
     greedy_match = {}
     samples = []
     for prompt in SAMPLE_PROMPTS:

@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import (DynamicCache, FalconConfig, Gemma2Config, GPT2Config, LlamaConfig, StaticCache)
 
-from kvlab import memory
+from kvlab import calculator, measure, memory
 from kvlab.cache import PreallocatedCache
 from kvlab.models import CONFIG_DIR
 
@@ -96,13 +96,13 @@ def test_max_batch_size_boundaries():
 def test_formula_equals_dynamic_cache(name, dtype):
     cfg = TINY_CONFIGS[name]
     for seq_len, batch in [(1, 1), (6, 3)]:
-        assert memory.measure_config(cfg, seq_len, batch, dtype) == memory.kv_cache_bytes(cfg, seq_len, batch, dtype)
+        assert measure.measure_config(cfg, seq_len, batch, dtype) == memory.kv_cache_bytes(cfg, seq_len, batch, dtype)
 
 
 def test_formula_equals_dynamic_cache_on_bundled_model(tiny):
     model, _ = tiny
-    cache = memory.fill_dynamic_cache(model, 40, 2, decode_steps=3)
-    assert memory.measured_cache_bytes(cache) == memory.kv_cache_bytes(model.config, 40, 2, torch.float32)
+    cache = measure.fill_dynamic_cache(model, 40, 2, decode_steps=3)
+    assert measure.measured_cache_bytes(cache) == memory.kv_cache_bytes(model.config, 40, 2, torch.float32)
     # what the layers hold, tensor by tensor, is [batch, heads, seq, head_dim]
     n_layer, n_kv, head_dim = memory.kv_dims(model.config)
     assert len(cache.layers) == n_layer
@@ -115,7 +115,7 @@ def test_static_cache_holds_max_len(tiny):
     with torch.no_grad():
         model(torch.ones(2, 5, dtype=torch.long), cache=cache, use_cache=True)
     # preallocated: the bytes of max_cache_len tokens, however few are written
-    assert memory.measured_cache_bytes(cache) == memory.kv_cache_bytes(model.config, 32, 2, torch.float32)
+    assert measure.measured_cache_bytes(cache) == memory.kv_cache_bytes(model.config, 32, 2, torch.float32)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -130,20 +130,20 @@ def test_formula_equals_preallocated_cache(tiny, dtype):
         model(torch.ones(3, 1, dtype=torch.long), cache=cache)
     want = memory.kv_cache_bytes(hf.config, 24, 3, dtype)
     assert cache.seq_len == 11
-    assert memory.measured_cache_bytes(cache) == cache.nbytes == want
+    assert measure.measured_cache_bytes(cache) == cache.nbytes == want
     # a cache built directly from the formula's factors agrees too
     n_layer, n_kv, head_dim = memory.kv_dims(hf.config)
     direct = PreallocatedCache(n_layer, 2, n_kv, head_dim, 7, dtype=dtype)
-    assert memory.measured_cache_bytes(direct) == memory.kv_cache_bytes(hf.config, 7, 2, dtype)
+    assert measure.measured_cache_bytes(direct) == memory.kv_cache_bytes(hf.config, 7, 2, dtype)
 
 
 def test_measured_counts_storage_once():
     t = torch.zeros(4, 8)
-    assert memory.measured_cache_bytes([t, t[:2], t.view(-1)]) == t.nbytes
+    assert measure.measured_cache_bytes([t, t[:2], t.view(-1)]) == t.nbytes
     with pytest.raises(ValueError):
-        memory.measured_cache_bytes(object())
+        measure.measured_cache_bytes(object())
     empty = DynamicCache(config=TINY_CONFIGS["gpt2"])
-    assert memory.measured_cache_bytes(empty) == 0
+    assert measure.measured_cache_bytes(empty) == 0
 
 
 # --- weights and the open-models data ----------------------------------------------------------------
@@ -158,7 +158,7 @@ def test_weights_bytes(tiny):
 
 
 def test_open_models_json():
-    models = memory.load_open_models()
+    models = calculator.load_open_models()
     assert len(models) >= 5
     for name, m in models.items():
         assert "config.json" in m["source"] and m["hf_repo"] in m["source"], name
@@ -168,14 +168,14 @@ def test_open_models_json():
     assert memory.kv_dims(models["Gemma-2-9B"])[2] == 256 != 3584 // 16
     assert memory.kv_dims(models["Falcon-7B"]) == (32, 1, 64)
     assert memory.kv_dims(models["Llama-3.1-8B"]) == (32, 8, 128)
-    gpt2 = memory.gpt2_models()
+    gpt2 = calculator.gpt2_models()
     assert [memory.kv_dims(m) for m in gpt2.values()] == [(12, 12, 64), (24, 16, 64), (36, 20, 64), (48, 25, 64)]
     assert all("config.json" in m["source"] for m in gpt2.values())
 
 
 def test_open_models_parameter_counts_match_their_configs():
     """The stored parameter counts are what transformers builds from the stored config fields."""
-    for name, m in memory.load_open_models().items():
+    for name, m in calculator.load_open_models().items():
         fields = {k: v for k, v in m.items()
                   if k not in ("name", "hf_repo", "parameters", "source", "note", "attention", "context")}
         if m["model_type"] == "falcon":
@@ -186,8 +186,8 @@ def test_open_models_parameter_counts_match_their_configs():
 # --- the calculator -------------------------------------------------------------------------------------
 
 def test_calculator_numbers():
-    models = memory.all_models()
-    r = memory.calculator(models["Llama-3.1-8B"], 8192, 4, torch.float16)
+    models = calculator.all_models()
+    r = calculator.calculator(models["Llama-3.1-8B"], 8192, 4, torch.float16)
     assert r["cache_bytes"] == 2 * 32 * 8 * 128 * 8192 * 4 * 2
     assert r["weights_bytes"] == 2 * 8_030_261_248
     assert r["total_bytes"] == r["cache_bytes"] + r["weights_bytes"]
@@ -197,8 +197,8 @@ def test_calculator_numbers():
         assert g["max_batch"] == max(free, 0) // per_seq
         assert g["fits"] == (r["total_bytes"] <= gb * memory.GIB)
     assert not r["beyond_context"]
-    assert memory.calculator(models["gpt2"], 2048, 1, "int8")["beyond_context"]
-    big = memory.calculator(models["Llama-3.1-70B"], 32768, 8, "fp16")
+    assert calculator.calculator(models["gpt2"], 2048, 1, "int8")["beyond_context"]
+    big = calculator.calculator(models["Llama-3.1-70B"], 32768, 8, "fp16")
     assert not big["gpus"][24]["fits"] and big["gpus"][24]["max_batch"] == 0   # the weights alone do not fit
 
 
@@ -207,13 +207,13 @@ def test_calculator_widget_updates():
     import matplotlib
 
     matplotlib.use("Agg")
-    models = memory.all_models()
-    box = memory.calculator_widget(models, default="gpt2")
+    models = calculator.all_models()
+    box = calculator.calculator_widget(models, default="gpt2")
     dropdown = box.children[0].children[0]
     assert dropdown.value == "gpt2"
     dropdown.value = "Llama-3.1-8B"          # the observer redraws for the new model
     assert "Llama-3.1-8B" in box.text.value and "KV cache" in box.text.value
-    assert box.result == memory.calculator(models["Llama-3.1-8B"], 8192, 1, "fp16")
+    assert box.result == calculator.calculator(models["Llama-3.1-8B"], 8192, 1, "fp16")
     assert box.image.value[:8] == b"\x89PNG\r\n\x1a\n"   # the chart was redrawn
     box.children[1].children[1].value = 3    # batch
     assert box.result["cache_bytes"] == memory.kv_cache_bytes(models["Llama-3.1-8B"], 8192, 3, torch.float16)
@@ -222,6 +222,6 @@ def test_calculator_widget_updates():
 
 
 def test_human_bytes():
-    assert memory.human_bytes(16_777_216) == "16.0 MiB"
-    assert memory.human_bytes(16_777_216, binary=False) == "16.8 MB"
-    assert memory.human_bytes(512) == "512 B"
+    assert calculator.human_bytes(16_777_216) == "16.0 MiB"
+    assert calculator.human_bytes(16_777_216, binary=False) == "16.8 MB"
+    assert calculator.human_bytes(512) == "512 B"

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from kvlab import memory, quant
+from kvlab import measure, memory, quant
 
 CFG = dict(n_layer=3, n_head=2, n_embd=64, n_positions=256)   # head_dim 32
 
@@ -83,7 +83,7 @@ def test_nbytes_against_formula(bits):
     value_meta = 2 * L * B * H * T * 4                          # scale + zero point per token
     assert c.nbytes_breakdown() == {"codes": codes, "scales+zero points": key_meta + value_meta,
                                     "full-precision window": 0}
-    assert c.nbytes == codes + key_meta + value_meta == memory.measured_cache_bytes(c)
+    assert c.nbytes == codes + key_meta + value_meta == measure.measured_cache_bytes(c)
     assert c.nbytes < fp32 * (bits / 32 + 0.2)
 
 
@@ -91,7 +91,7 @@ def test_article_a_cache_saves_nothing():
     c = quant.AbsmaxFakeInt8Cache.from_config(type("C", (), CFG)(), 2, 128)
     fill(c, [40, 1, 1])
     fp32 = memory.kv_cache_bytes(CFG, 42, 2, torch.float32)
-    assert c.nbytes == memory.measured_cache_bytes(c) == fp32 + 3 * 2 * CFG["n_layer"] * 4   # + one scale each
+    assert c.nbytes == measure.measured_cache_bytes(c) == fp32 + 3 * 2 * CFG["n_layer"] * 4   # + one scale each
 
 
 @pytest.mark.parametrize("residual", [0, 8, 40])
@@ -113,7 +113,7 @@ def test_residual_window_exact_and_blocks_within_half_step(residual):
             kb, vb = ks[layer][..., s:s + block, :], vs[layer][..., s:s + block, :]
             assert torch.allclose(keys[..., s:s + block, :], quant.fake_quantize(kb, bits, -2), atol=1e-5)
             assert torch.allclose(values[..., s:s + block, :], quant.fake_quantize(vb, bits, -1), atol=1e-5)
-    assert c.nbytes == memory.measured_cache_bytes(c)
+    assert c.nbytes == measure.measured_cache_bytes(c)
 
 
 def test_cache_contract():

@@ -1,9 +1,9 @@
 """Tests for the bundled ``kvlab-tiny`` model (models/kvlab-tiny) and its training script.
 
-The perplexity protocol is re-implemented here on purpose, independently of the training
-script and of ``kvlab.models``: heldout.txt is tokenized as one string, the ids are cut into
-consecutive non-overlapping 512-token windows (the last partial one dropped), the model runs
-in fp32, and the cross-entropy is averaged over the 511 predicted positions of every window.
+The perplexity protocol is the one the training script uses, ``kvlab.models.window_loss``:
+heldout.txt is tokenized as one string, the ids are cut into consecutive non-overlapping
+512-token windows (the last partial one dropped), the model runs in fp32, and the cross-entropy
+is averaged over the 511 predicted positions of every window.
 """
 
 from __future__ import annotations
@@ -23,6 +23,8 @@ import pytest
 import torch
 
 import transformers  # noqa: E402
+
+from kvlab.models import window_loss  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 MODEL_DIR = REPO / "models" / "kvlab-tiny"
@@ -125,19 +127,9 @@ def test_greedy_same_with_and_without_cache(tiny, prompt):
 
 
 def heldout_perplexity(model, tokenizer, text: str, ctx: int = CTX, batch: int = 8) -> tuple[float, int]:
-    ids = torch.tensor(tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"])
-    n = ids.numel() // ctx
-    windows = ids[: n * ctx].view(n, ctx)
-    nll, count = 0.0, 0
-    with torch.no_grad():
-        for i in range(0, n, batch):
-            x = windows[i : i + batch]
-            logits = model(input_ids=x).logits.float()
-            nll += torch.nn.functional.cross_entropy(
-                logits[:, :-1].flatten(0, 1), x[:, 1:].flatten(), reduction="sum"
-            ).item()
-            count += x.shape[0] * (ctx - 1)
-    return math.exp(nll / count), n
+    ids = tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]
+    loss, n = window_loss(model, ids, ctx, batch)
+    return math.exp(loss), n
 
 
 def test_heldout_perplexity_matches_metrics(tiny, metrics):

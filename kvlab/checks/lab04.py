@@ -121,7 +121,7 @@ def _as_int(value, name, what):
 
 def check_kv_cache_bytes(kv_cache_bytes) -> None:
     """Grade ``kv_cache_bytes(config, seq_len, batch_size, dtype) -> int`` against measured and hand-worked sizes."""
-    from ..memory import fill_dynamic_cache, measure_config, measured_cache_bytes
+    from ..measure import fill_dynamic_cache, measure_config, measured_cache_bytes
 
     cases = []  # (label, config, seq_len, batch, dtype, want, how we know)
     for (label, cfg), (T, B, dt) in zip(_tiny_configs(), [(7, 3, torch.float32), (5, 2, torch.float16),

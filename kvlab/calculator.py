@@ -1,0 +1,156 @@
+"""The memory calculator of chapter 4: open models' configs, and what fits on which GPU.
+
+    all_models()                                   # GPT-2's sizes + models/configs/open-models.json
+    calculator(config, seq_len, batch, dtype)      # cache, weights, fits / largest batch per GPU
+    calculator_text(...), plot_calculator(...)     # the same result as text and as a bar chart
+    calculator_widget(all_models())                # an ipywidgets front end for a live notebook
+
+The arithmetic is ``kvlab.memory``; this module only reads the table and presents its numbers.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+
+import torch
+
+from .memory import (GIB, as_dtype, bytes_per_token, context_length, kv_cache_bytes, max_batch_size,
+                     parameter_count, weights_bytes)
+from .models import CONFIG_DIR
+
+OPEN_MODELS_PATH = CONFIG_DIR / "open-models.json"
+
+#: Nominal memory of three common GPUs (24 GB: RTX 3090/4090, 80 GB: A100/H100, 141 GB: H200), taken
+#: as GiB (2**30 bytes). What a program can really use is a little less (CUDA context, allocator).
+GPU_SIZES_GB = (24, 80, 141)
+
+def load_open_models() -> dict[str, dict]:
+    """``models/configs/open-models.json``: name -> attention shape, parameters and sources."""
+    data = json.loads(OPEN_MODELS_PATH.read_text())
+    return {m["name"]: m for m in data["models"]}
+
+
+def gpt2_models() -> dict[str, dict]:
+    """The four GPT-2 sizes (``models/configs/gpt2*.json``) in the same form as :func:`load_open_models`."""
+    from .models import GPT2_SIZES
+
+    out = {}
+    for size in GPT2_SIZES:
+        cfg = json.loads((CONFIG_DIR / f"{size}.json").read_text())
+        entry = {"name": size, "hf_repo": f"openai-community/{size}", **cfg,
+                 "source": f"openai-community/{size} config.json on the Hugging Face Hub (models/configs/{size}.json); "
+                           "parameters counted by transformers on the meta device"}
+        entry["parameters"] = parameter_count({k: v for k, v in cfg.items()})
+        entry["attention"] = "MHA"
+        out[size] = entry
+    return out
+
+
+def all_models() -> dict[str, dict]:
+    """GPT-2's four sizes, then the open models: the rows of the chapter's tables."""
+    return {**gpt2_models(), **load_open_models()}
+
+
+def human_bytes(n: float, binary: bool = True) -> str:
+    """``16777216 -> '16.0 MiB'`` (binary, powers of 1024) or ``'16.8 MB'`` (decimal, powers of 1000)."""
+    base, units = (1024, ["B", "KiB", "MiB", "GiB", "TiB"]) if binary else (1000, ["B", "kB", "MB", "GB", "TB"])
+    x, i = float(n), 0
+    while abs(x) >= base and i < len(units) - 1:
+        x /= base
+        i += 1
+    return f"{int(x)} B" if i == 0 else f"{x:.1f} {units[i]}"
+
+
+def calculator(config, seq_len: int, batch_size: int, dtype, weights_dtype=torch.float16,
+               gpus_gb=GPU_SIZES_GB) -> dict:
+    """Everything the chapter's calculator shows for one setting, as plain numbers.
+
+    Returns ``cache_bytes``, ``weights_bytes`` (in ``weights_dtype``), ``total_bytes``, and per GPU
+    size (GiB): whether it fits and the largest batch at this ``seq_len`` after the weights.
+    """
+    cache = kv_cache_bytes(config, seq_len, batch_size, dtype)
+    weights = weights_bytes(config, weights_dtype)
+    gpus = {}
+    for gb in gpus_gb:
+        free = gb * GIB - weights
+        gpus[gb] = {"fits": cache + weights <= gb * GIB,
+                    "max_batch": max_batch_size(config, seq_len, dtype, max(free, 0)) if seq_len else None}
+    ctx = context_length(config)
+    return {"cache_bytes": cache, "weights_bytes": weights, "total_bytes": cache + weights,
+            "per_token_bytes": bytes_per_token(config, dtype), "gpus": gpus,
+            "beyond_context": bool(ctx and seq_len > ctx), "context": ctx,
+            "weights_dtype": str(as_dtype(weights_dtype)).replace("torch.", "")}
+
+
+def plot_calculator(result: dict, ax, title: str = "") -> None:
+    """Bar chart of a :func:`calculator` result: weights + cache against each GPU's memory."""
+    gb = [g for g in result["gpus"]]
+    w, c = result["weights_bytes"] / GIB, result["cache_bytes"] / GIB
+    ax.bar(["weights + cache"], [w], color="0.6", label="weights")
+    ax.bar(["weights + cache"], [c], bottom=[w], color="tab:orange", label="KV cache")
+    for g, style in zip(gb, ("--", "-.", ":")):
+        ax.axhline(g, color="tab:blue", ls=style, lw=1, label=f"{g} GiB GPU")
+    ax.set(ylabel="GiB", title=title)
+    ax.set_ylim(0, max(w + c, max(gb)) * 1.1)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))
+
+
+def calculator_widget(configs: dict, default: str | None = None):
+    """An ipywidgets calculator over ``configs`` (name -> config): model, context, batch, dtype.
+
+    Returns the widget box (display it in a live notebook). The logic lives in :func:`calculator`;
+    a static book shows the widget as dead HTML, so print a table for a default setting as well.
+    """
+    import io
+
+    import ipywidgets as w
+    from matplotlib.figure import Figure
+
+    names = list(configs)
+    model = w.Dropdown(options=names, value=default or names[0], description="model")
+    ctx = w.IntSlider(value=8192, min=256, max=131072, step=256, description="context", continuous_update=False)
+    batch = w.IntText(value=1, description="batch")
+    dtype = w.Dropdown(options=["fp32", "fp16", "bf16", "int8"], value="fp16", description="cache dtype")
+    text = w.HTML()          # the numbers (a widget value: testable without a kernel)
+    image = w.Image(format="png")   # the bar chart, as PNG bytes
+
+    def redraw(*_):
+        try:
+            r = calculator(configs[model.value], ctx.value, max(batch.value, 0), dtype.value)
+        except ValueError as e:
+            text.value = f"<pre>error: {html.escape(str(e))}</pre>"
+            return
+        box.result = r
+        text.value = "<pre>" + html.escape(calculator_text(model.value, ctx.value, max(batch.value, 0),
+                                                           dtype.value, r)) + "</pre>"
+        # Render off-screen into the Image widget rather than plt.show() inside an Output widget:
+        # no display messages are captured mid-execution, which kept headless runs (nbclient) from
+        # occasionally waiting forever for a kernel that had already finished.
+        fig = Figure(figsize=(5, 3))
+        ax = fig.add_subplot()
+        plot_calculator(r, ax, title=f"{model.value}, {ctx.value:,} tokens x {batch.value}")
+        fig.tight_layout()
+        buf = io.BytesIO()
+        fig.savefig(buf, format="png", dpi=90)
+        image.value = buf.getvalue()
+
+    box = w.VBox([w.HBox([model, dtype]), w.HBox([ctx, batch]), text, image])
+    box.text, box.image, box.redraw = text, image, redraw   # handles for tests and for a manual refresh
+    for control in (model, ctx, batch, dtype):
+        control.observe(redraw, names="value")
+    redraw()
+    return box
+
+
+def calculator_text(name: str, seq_len: int, batch_size: int, dtype, r: dict) -> str:
+    """A :func:`calculator` result ``r`` as a few lines of text (used by chapter 4 and the widget)."""
+    lines = [f"{name}: {seq_len:,} tokens x batch {batch_size} in {dtype}: KV cache "
+             f"{human_bytes(r['cache_bytes'])} ({r['per_token_bytes']:,} bytes per token), "
+             f"weights ({r['weights_dtype']}) {human_bytes(r['weights_bytes'])}"]
+    if r["beyond_context"]:
+        lines.append(f"  (hypothetical: the model's context is {r['context']:,} tokens)")
+    for gb, g in r["gpus"].items():
+        lines.append(f"  {gb:>3} GiB GPU: {'fits' if g['fits'] else 'does NOT fit'}; "
+                     f"largest batch at this context after the weights: {g['max_batch']}")
+    return "\n".join(lines)
