@@ -6,7 +6,8 @@
 
 Before timing anything it checks that every generator produces the same tokens (a fast wrong
 generator is not a result). It then prints ratios, each from one interleaved run on this machine,
-with the banner that says which machine that is. No test asserts these numbers: they are
+with the banner that says which machine that is, and each generator's time over the floor that
+this machine's measured bandwidth and matmul rate set (chapter 7). No test asserts these numbers: they are
 measurements, not properties.
 """
 
@@ -16,7 +17,7 @@ import argparse
 
 import torch
 
-from . import gpt2, models, timing
+from . import gpt2, models, roofline, timing
 from .generate import cached_generate, hf_greedy, naive_generate
 
 
@@ -47,14 +48,24 @@ def run(model_name: str, new_tokens: int, prompt_len: int, repeats: int, threads
     print(f"all {len(runs)} generators give identical tokens ({new_tokens} new, prompt {prompt_len})")
 
     res = timing.compare(runs, warmup=0, repeats=repeats)   # the correctness pass above was the warm-up
+    floor = _floor(hf, device, prompt_len, new_tokens)
     base = res["transformers generate (DynamicCache)"]
-    print(f"\n{'generator':46s} {'median s':>9s} {'tokens/s':>9s} {'speed vs transformers':>22s}")
+    print(f"\n{'generator':46s} {'median s':>9s} {'tokens/s':>9s} {'speed vs transformers':>22s} {'x floor':>8s}")
     out = {}
     for name, t in res.items():
         out[name] = timing.ratio(base, t)
-        print(f"{name:46s} {t.median:9.3f} {new_tokens / t.median:9.1f} {out[name]:21.2f}x   "
-              f"(spread {t.spread:.0%})")
+        print(f"{name:46s} {t.median:9.3f} {new_tokens / t.median:9.1f} {out[name]:21.2f}x "
+              f"{t.median / floor:7.1f}x   (spread {t.spread:.0%})")
     return out
+
+
+def _floor(hf, device, prompt_len: int, new_tokens: int) -> float:
+    """The least time the generation could take on this machine (chapter 7), measured once per run."""
+    m = roofline.machine(device, roofline.model_dtype(hf))
+    floor = roofline.generation_floor(hf, 1, prompt_len, new_tokens, m["bandwidth"], m["flops"])
+    print(f"floor of this generation here: {floor:.3f} s (max of bytes / bandwidth and FLOPs / matmul rate "
+          "per step); 'x floor' = median / floor")
+    return floor
 
 
 def main(argv=None) -> None:

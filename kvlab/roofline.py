@@ -26,13 +26,13 @@ embedding, read once), the position table counted whole although a step reads on
 
 from __future__ import annotations
 
-import operator
+import functools
 import statistics
 
 import torch
 import torch.utils.benchmark as benchmark
 
-from .memory import _field, as_dtype, bytes_per_element, kv_cache_bytes, kv_dims
+from .memory import _count, _field, as_dtype, bytes_per_element, kv_cache_bytes, kv_dims
 
 # ---------------------------------------------------------------------------------------------------
 # What the model is made of
@@ -76,6 +76,13 @@ def _lm_head(model) -> torch.Tensor:
     raise ValueError(f"cannot find the LM head of {type(model).__name__}")
 
 
+def position_table_share(model) -> float:
+    """Share of the weight bytes in a learned position table (``wpe``), which a step reads one row
+    of although the book's convention counts it whole; 0 for rotary models, which have none."""
+    table = next((m.weight for name, m in model.named_modules() if name.split(".")[-1] == "wpe"), None)
+    return 0.0 if table is None else table.numel() * table.element_size() / weight_bytes(model)
+
+
 def matmul_weights(model) -> int:
     """Number of weights used in matrix products: every 2-D weight of a Linear / Conv1D, and the LM
     head once. Embedding look-ups (a row read, no arithmetic) are left out."""
@@ -88,16 +95,6 @@ def matmul_weights(model) -> int:
         if id(w) not in seen:
             seen.add(id(w))
             n += w.numel()
-    return n
-
-
-def _count(value, what: str) -> int:
-    try:
-        n = operator.index(value)       # ints and numpy ints; 2.5 rows is a bug upstream
-    except TypeError:
-        raise ValueError(f"{what} must be an integer, got {value!r}") from None
-    if n < 0:
-        raise ValueError(f"{what} must be >= 0, got {n}")
     return n
 
 
@@ -142,15 +139,27 @@ def step_time_floor(model, batch_size: int, seq_len: int, bandwidth: float, flop
                decode_step_flops(model, batch_size, seq_len) / flops)
 
 
+def _per_element(dtype_or_bytes) -> float:
+    """Bytes per element from a dtype, or a number of bytes as is (0.5 for a packed 4-bit format)."""
+    if isinstance(dtype_or_bytes, (int, float)) and not isinstance(dtype_or_bytes, bool):
+        if dtype_or_bytes <= 0:
+            raise ValueError(f"bytes per element must be > 0, got {dtype_or_bytes}")
+        return dtype_or_bytes
+    return bytes_per_element(dtype_or_bytes)
+
+
 def step_terms(model, batch_size: int, seq_len: int, bandwidth: float, flops: float,
                cache_dtype=None, weights_dtype=None) -> dict:
     """The floor's parts, in seconds: reading the weights, reading the cache, computing; and which
-    bounds the step. ``cache_dtype`` / ``weights_dtype`` re-price the bytes for a quantized format."""
+    bounds the step. ``cache_dtype`` / ``weights_dtype`` (a dtype, or bytes per element such as 0.5
+    for int4) re-price the bytes for a quantized format; the FLOPs stay the same."""
     bandwidth, flops = _rate(bandwidth, "bandwidth (bytes/s)"), _rate(flops, "flops (FLOP/s)")
     w = weight_bytes(model)
     if weights_dtype is not None:
-        w = sum(p.numel() for p in _params(model)) * bytes_per_element(weights_dtype)
-    c = cache_read_bytes(model, batch_size, seq_len, cache_dtype)
+        w = sum(p.numel() for p in _params(model)) * _per_element(weights_dtype)
+    c = cache_read_bytes(model, batch_size, seq_len)
+    if cache_dtype is not None:
+        c = c / bytes_per_element(model_dtype(model)) * _per_element(cache_dtype)
     t = {"weights": w / bandwidth, "cache": c / bandwidth,
          "compute": decode_step_flops(model, batch_size, seq_len) / flops}
     memory = t["weights"] + t["cache"]
@@ -163,7 +172,13 @@ def generation_floor(model, batch_size: int, prompt_len: int, new_tokens: int, b
                      flops: float) -> float:
     """Floor of a whole greedy generation: one step per new token, the ``i``-th at ``prompt_len + i``
     cached positions (the prefill is priced as one step: it too reads every weight once)."""
-    return sum(step_time_floor(model, batch_size, prompt_len + i, bandwidth, flops) for i in range(new_tokens))
+    bandwidth, flops = _rate(bandwidth, "bandwidth (bytes/s)"), _rate(flops, "flops (FLOP/s)")
+    # both counts are linear in seq_len: take the intercept and slope once, not a model walk per step
+    b0, f0 = decode_step_bytes(model, batch_size, 0), decode_step_flops(model, batch_size, 0)
+    db = decode_step_bytes(model, batch_size, 1) - b0
+    df = decode_step_flops(model, batch_size, 1) - f0
+    return sum(max((b0 + db * s) / bandwidth, (f0 + df * s) / flops)
+               for s in range(prompt_len, prompt_len + new_tokens))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -207,9 +222,20 @@ def meta_model(name_or_config, dtype=torch.float32):
     """A transformers model with the right shapes and no storage (``meta`` device): a GPT-2 size
     (``"gpt2"`` ... ``"gpt2-xl"``, optionally ``"shape:"``-prefixed), an open model of chapter 4's
     table by name, a dict of config fields with ``model_type``, or a transformers config."""
+    if isinstance(name_or_config, str):
+        return _meta_by_name(name_or_config, as_dtype(dtype))
+    return _meta_model(name_or_config, dtype)
+
+
+@functools.lru_cache(maxsize=32)
+def _meta_by_name(name: str, dtype: torch.dtype):
+    return _meta_model(name, dtype)    # shapes never change: build each named model once
+
+
+def _meta_model(name_or_config, dtype):
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from .memory import all_models
+    from .calculator import all_models
 
     config = name_or_config
     if isinstance(config, str):

@@ -47,7 +47,8 @@ def _models():
          _random(LlamaConfig(**llama, tie_word_embeddings=False), torch.bfloat16)),
         ("a random grouped-query Llama (fp32, 6 query / 2 key-value heads, tied head)",
          _random(LlamaConfig(**llama, tie_word_embeddings=True), torch.float32)),
-        ("shape-only gpt2-medium on the meta device (fp16)", roofline.meta_model("gpt2-medium", torch.float16)),
+        ("shape-only gpt2-medium on the meta device (fp16)",
+         roofline.meta_model("gpt2-medium", torch.float16)),
         ("shape-only Llama-3.1-8B on the meta device (bf16, 32 query / 8 key-value heads)",
          roofline.meta_model("Llama-3.1-8B", torch.bfloat16)),
     ]
@@ -126,8 +127,8 @@ def _explain_bytes(case, got, cases, got_all) -> str:
     if case["meta"] and got < case["W"]:
         return ("on the meta device every tensor's data_ptr() is 0, so deduplicating by data_ptr keeps "
                 "one tensor: deduplicate by identity (model.parameters() already does)")
-    return (f"expected weights {case['W']:,} + cache {case['C']:,} bytes; you are off by {got - case['want']:+,}. "
-            "Check each term")
+    return (f"expected weights {case['W']:,} + cache {case['C']:,} bytes; you are off by "
+            f"{got - case['want']:+,}. Check each term")
 
 
 def check_decode_step_bytes(decode_step_bytes) -> None:
@@ -140,10 +141,11 @@ def check_decode_step_bytes(decode_step_bytes) -> None:
                                where))
     for c, got in zip(cases, got_all):
         if got != c["want"]:
+            why = _explain_bytes(c, got, cases, got_all)
             raise fail(NAME_BYTES, f"{c['label']}, batch_size={c['B']}, seq_len={c['S']}: expected "
-                                   f"{c['want']:,} bytes, got {got:,}: {_explain_bytes(c, got, cases, got_all)}")
-    passed(NAME_BYTES, f"{len(cases)} models (GPT-2 and grouped-query, tied and untied heads, fp32/fp16/bf16, "
-                       "real and meta-device shapes) give their exact bytes per decode step")
+                                   f"{c['want']:,} bytes, got {got:,}: {why}")
+    passed(NAME_BYTES, f"{len(cases)} models (GPT-2 and grouped-query, tied and untied heads, "
+                       "fp32/fp16/bf16, real and meta-device shapes) give their exact bytes per decode step")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -180,7 +182,8 @@ def _floor_cases():
 
 def _as_seconds(value, label) -> float:
     if isinstance(value, bool) or isinstance(value, torch.Tensor) or not isinstance(value, numbers.Real):
-        raise fail(NAME_FLOOR, f"{label}: return a float number of seconds, got {type(value).__name__} {value!r}")
+        raise fail(NAME_FLOOR, f"{label}: return a float number of seconds, "
+                               f"got {type(value).__name__} {value!r}")
     return float(value)
 
 
@@ -197,7 +200,8 @@ def check_step_time_floor(step_time_floor) -> None:
         if math.isclose(got, want, rel_tol=1e-6):
             continue
         c = roofline.cache_read_bytes(model, B, S) / bw
-        why = next((msg for _, wrong, msg in _FLOOR_MISTAKES if math.isclose(got, wrong(m, f, c), rel_tol=1e-6)),
+        why = next((msg for _, wrong, msg in _FLOOR_MISTAKES
+                    if math.isclose(got, wrong(m, f, c), rel_tol=1e-6)),
                    "check decode_step_bytes first (check_decode_step_bytes), then return "
                    "max(decode_step_bytes(...) / bandwidth, decode_step_flops(...) / flops)")
         raise fail(NAME_FLOOR, f"{where}: moving the bytes takes {m:.4g} s, the FLOPs {f:.4g} s, so the "

@@ -1,0 +1,382 @@
+"""Chapter 7's measurements, set against the floor of :mod:`kvlab.roofline`.
+
+    step_fn(model, batch_size, seq_len)        # one decode step at a given position, repeatable
+    step_time(model, batch_size, seq_len)      # its median seconds
+    generators_vs_floor(hf, ...)               # transformers generate / cached loop / hand-built GPT-2
+    profile_step(model, batch_size, seq_len)   # torch.profiler: where one step's time goes
+    batch_sweep(...), context_sweep(...)       # step time against batch size / position, with the floor
+    verdicts: small functions that turn the measured numbers into the chapter's sentences
+
+Timings follow :mod:`kvlab.timing`: warm-up, medians, variants interleaved; CUDA events on a GPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+
+import torch
+from tqdm.auto import tqdm
+
+from . import gpt2, roofline, timing
+from .generate import cached_generate, hf_greedy
+
+# ---------------------------------------------------------------------------------------------------
+# One decode step, repeatable at a fixed position
+
+
+def _device(model):
+    return next(model.parameters()).device
+
+
+@torch.no_grad()
+def step_fn(model, batch_size: int, seq_len: int, seed: int = 0):
+    """A function that runs ONE decode step of ``batch_size`` rows after ``seq_len`` cached positions
+    and then rewinds the cache, so that every call measures the same step. Works for the hand-built
+    :class:`kvlab.gpt2.GPT2` (its preallocated cache) and transformers models (``DynamicCache``)."""
+    from transformers import DynamicCache
+
+    device = _device(model)
+    vocab = model.config.vocab_size
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (batch_size, seq_len + 1), generator=g).to(device)
+    if isinstance(model, gpt2.GPT2):
+        cache = model.new_cache(batch_size, max_len=seq_len + 1)
+        if seq_len:
+            model(ids[:, :seq_len], cache, last_only=True)        # prefill once
+
+        def step():
+            with torch.no_grad():
+                cache._len = seq_len           # rewind: the next write goes to position seq_len again
+                return model(ids[:, seq_len:], cache, last_only=True)
+        return step
+    cache = DynamicCache(config=model.config)
+    if seq_len:
+        model(ids[:, :seq_len], cache=cache, use_cache=True)
+
+    def step():
+        with torch.no_grad():
+            out = model(ids[:, seq_len:], cache=cache, use_cache=True, logits_to_keep=1)
+            cache.crop(-1)                     # drop the position this step appended
+            return out
+    return step
+
+
+def step_time(model, batch_size: int, seq_len: int, repeats: int = 5) -> float:
+    """Median seconds of one decode step (CUDA events on a GPU, torch.utils.benchmark on a CPU)."""
+    return roofline.median_seconds(step_fn(model, batch_size, seq_len), _device(model), repeats=repeats)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Whole generators against the floor
+
+GENERATORS = ("transformers generate", "kvlab cached_generate", "hand-built GPT-2")
+
+
+def generators_vs_floor(hf, prompt_len: int, new_tokens: int, threads_list=(None,), repeats: int = 3,
+                        ours=None) -> list[dict]:
+    """Time the book's three greedy generators on ``hf`` at each CPU thread count (``None``: leave
+    it), measure the machine at that thread count, and return one row per generator with the
+    measured seconds per token and the floor's (``roofline.generation_floor``)."""
+    device = _device(hf)
+    ours = ours or gpt2.GPT2.from_hf(hf)
+    g = torch.Generator().manual_seed(1)
+    prompt = torch.randint(0, hf.config.vocab_size, (1, prompt_len), generator=g).to(device)
+    runs = dict(zip(GENERATORS, (lambda: hf_greedy(hf, prompt, new_tokens),
+                                 lambda: cached_generate(hf, prompt, new_tokens),
+                                 lambda: gpt2.generate(ours, prompt, new_tokens))))
+    reference = runs[GENERATORS[0]]()
+    for name, fn in runs.items():               # a fast wrong generator is not a result
+        if not torch.equal(fn(), reference):
+            raise RuntimeError(f"{name} does not reproduce transformers' greedy tokens")
+    rows = []
+    for threads in threads_list:
+        if device.type == "cpu" and threads:
+            torch.set_num_threads(threads)
+        m = roofline.machine(device, roofline.model_dtype(hf), verbose=False)
+        floor = roofline.generation_floor(hf, 1, prompt_len, new_tokens, m["bandwidth"], m["flops"])
+        res = timing.compare(runs, warmup=0, repeats=repeats, progress=False)
+        for name, t in res.items():
+            n = m["threads"]
+            where = f"{n} thread{'s' * (n > 1)}" if device.type == "cpu" else device.type
+            rows.append(dict(model=getattr(hf, "kvlab_name", "?"), threads=n, where=where, generator=name,
+                             per_token=t.median / new_tokens, floor_per_token=floor / new_tokens,
+                             ratio=t.median / floor, bandwidth=m["bandwidth"], flops=m["flops"]))
+    return rows
+
+
+def print_rows(rows: list[dict]) -> None:
+    print(f"{'model':14} {'where':>9} {'generator':24} {'ms/token':>9} {'floor ms':>9} "
+          f"{'measured/floor':>14}   (bandwidth, matmul rate at that thread count)")
+    for r in rows:
+        print(f"{r['model']:14} {r['where']:>9} {r['generator']:24} {r['per_token'] * 1e3:9.3f} "
+              f"{r['floor_per_token'] * 1e3:9.3f} {r['ratio']:13.1f}x   "
+              f"({r['bandwidth'] / 1e9:.1f} GB/s, {r['flops'] / 1e9:.0f} GFLOP/s)")
+
+
+def plot_rows(rows: list[dict], ax) -> None:
+    """Measured ms per token (bars) and the floor (black ticks), one group per model and thread count."""
+    groups = list(dict.fromkeys((r["model"], r["where"]) for r in rows))
+    width = 0.8 / len(GENERATORS)
+    for j, gen in enumerate(GENERATORS):
+        ys = [next(r["per_token"] for r in rows if (r["model"], r["where"]) == grp and r["generator"] == gen)
+              for grp in groups]
+        ax.bar([i + (j - 1) * width for i in range(len(groups))], [y * 1e3 for y in ys], width, label=gen)
+    for i, grp in enumerate(groups):
+        fl = next(r["floor_per_token"] for r in rows if (r["model"], r["where"]) == grp)
+        ax.hlines(fl * 1e3, i - 0.45, i + 0.45, color="k", lw=2, label="floor" if i == 0 else None)
+    ax.set_xticks(range(len(groups)), [f"{m}\n{w}" for m, w in groups], fontsize=8)
+    ax.set(yscale="log", ylabel="ms per token (log)", title="measured time per token against the floor")
+    ax.legend(fontsize=7)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Where one step's time goes: torch.profiler
+
+_CATEGORIES = {
+    "matrix products": {"addmm", "mm", "bmm", "matmul", "linear", "baddbmm", "addmv", "mv"},
+    "attention": {"scaled_dot_product_attention", "_scaled_dot_product_flash_attention_for_cpu",
+                  "_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention",
+                  "_scaled_dot_product_cudnn_attention", "softmax", "_softmax", "masked_fill"},
+    "cache update and copies": {"cat", "copy_", "index_copy_", "slice_scatter", "index_put_", "_to_copy",
+                                "clone", "contiguous"},
+    "norms": {"layer_norm", "native_layer_norm", "rms_norm"},
+}
+
+
+@contextlib.contextmanager
+def _quiet_fd2():
+    """Silence file descriptor 2 for a moment: kineto writes a 'profiler_start/stop' line straight to
+    it from C++ at every profile, which Python's sys.stderr cannot intercept."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 2)
+            yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+def _category(op: str) -> str:
+    name = op.split("::")[-1]
+    return next((cat for cat, names in _CATEGORIES.items() if name in names), "other operators")
+
+
+@torch.no_grad()
+def profile_step(model, batch_size: int, seq_len: int, steps: int = 5) -> dict[str, float]:
+    """Seconds per step in each kind of operator (self time, so nothing is counted twice), and the
+    rest of the step's wall time: the gaps between operators (Python, dispatch, kernel launches)."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    device = _device(model)
+    fn = step_fn(model, batch_size, seq_len)
+    for _ in range(2):
+        fn()
+    cuda = device.type == "cuda"
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with _quiet_fd2(), profile(activities=acts) as prof:
+        for _ in range(steps):
+            with record_function("kvlab::decode_step"):
+                fn()
+                if cuda:
+                    torch.cuda.synchronize(device)
+    out = dict.fromkeys([*_CATEGORIES, "other operators"], 0.0)
+    wall = 0.0
+    for ev in prof.key_averages():
+        if ev.key == "kvlab::decode_step":
+            wall = ev.cpu_time_total / 1e6 / steps
+        elif ev.key.startswith("aten::"):
+            us = ev.self_device_time_total if cuda else ev.self_cpu_time_total
+            out[_category(ev.key)] += us / 1e6 / steps
+    out["between operators"] = max(wall - sum(out.values()), 0.0)
+    out["wall"] = wall
+    return out
+
+
+def plot_profile(breakdowns: dict[str, dict], ax) -> None:
+    """One horizontal stacked bar per model: the share of each kind of time in a step."""
+    kinds = [k for k in next(iter(breakdowns.values())) if k != "wall"]
+    for i, (name, b) in enumerate(breakdowns.items()):
+        left = 0.0
+        for j, k in enumerate(kinds):
+            share = b[k] / b["wall"] if b["wall"] else 0.0
+            ax.barh(i, share, left=left, color=f"C{j}", label=k if i == 0 else None)
+            left += share
+    ax.set_yticks(range(len(breakdowns)), list(breakdowns), fontsize=8)
+    ax.set(xlabel="share of one decode step's wall time (profiled)", xlim=(0, 1))
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))
+
+
+# ---------------------------------------------------------------------------------------------------
+# Sweeps
+
+
+def sweep(model, points, bandwidth: float, flops: float, vary: str = "batch", fixed: int = 64,
+          repeats: int = 5) -> list[dict]:
+    """Measured step time and the floor's terms along ``points`` batch sizes (``vary="batch"``,
+    at ``fixed`` cached positions) or positions (``vary="seq"``, at batch ``fixed``)."""
+    rows = []
+    for p in tqdm(points, desc=f"{vary} sweep", leave=False):
+        B, S = (p, fixed) if vary == "batch" else (fixed, p)
+        t = roofline.step_terms(model, B, S, bandwidth, flops)
+        rows.append(dict(batch=B, seq=S, measured=step_time(model, B, S, repeats), **t))
+    return rows
+
+
+def knee(xs, ys, factor: float = 1.5):
+    """The first x at which y reaches ``factor`` times its first value (None if it never does)."""
+    return next((x for x, y in zip(xs, ys) if y >= factor * ys[0]), None)
+
+
+def plot_batch_sweep(rows: list[dict], axes) -> None:
+    B = [r["batch"] for r in rows]
+    ax1, ax2 = axes
+    ax1.plot(B, [r["measured"] * 1e3 for r in rows], "o-", label="measured")
+    ax1.plot(B, [r["floor"] * 1e3 for r in rows], "k-", lw=2, label="floor = max(memory, compute)")
+    ax1.plot(B, [r["memory"] * 1e3 for r in rows], "--", color="tab:blue", label="bytes / bandwidth")
+    ax1.plot(B, [r["compute"] * 1e3 for r in rows], ":", color="tab:red", label="FLOPs / matmul rate")
+    ax1.set(xscale="log", yscale="log", xlabel="batch size", ylabel="ms per decode step", title="step time")
+    ax2.plot(B, [b / r["measured"] for b, r in zip(B, rows)], "o-", label="measured")
+    ax2.plot(B, [b / r["floor"] for b, r in zip(B, rows)], "k-", lw=2, label="roofline (B / floor)")
+    ax2.set(xscale="log", yscale="log", xlabel="batch size", ylabel="tokens / s", title="throughput")
+    for ax in axes:
+        ax.legend(fontsize=7)
+
+
+def plot_context_sweep(rows: list[dict], ax) -> None:
+    S = [r["seq"] for r in rows]
+    ax.plot(S, [r["measured"] * 1e3 for r in rows], "o-", label="measured step")
+    ax.plot(S, [r["floor"] * 1e3 for r in rows], "k-", lw=2, label="floor")
+    ax.plot(S, [r["weights"] * 1e3 for r in rows], "--", color="0.5", label="weights term")
+    ax.plot(S, [r["cache"] * 1e3 for r in rows], "--", color="tab:orange", label="cache term")
+    ax.set(xlabel="cached positions per row", ylabel="ms per decode step", ylim=(0, None),
+           title=f"step time against position (batch {rows[0]['batch']})")
+    ax.legend(fontsize=7)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Verdicts: sentences computed from the numbers (never typed)
+
+
+def bound_sentence(terms: dict) -> str:
+    """Which term bounds a step, and by how much, from :func:`roofline.step_terms`."""
+    parts = {"reading the weights": terms["weights"], "reading the cache": terms["cache"],
+             "the arithmetic": terms["compute"]}
+    (first, a), (second, b) = sorted(parts.items(), key=lambda kv: -kv[1])[:2]
+    return f"{first} ({a * 1e3:.3g} ms) dominates, {a / b:.3g} times {second} ({b * 1e3:.3g} ms)"
+
+
+def dominant(breakdown: dict) -> tuple[str, float]:
+    """The largest share of a profiled step and that share (0..1)."""
+    kinds = {k: v for k, v in breakdown.items() if k != "wall"}
+    k = max(kinds, key=kinds.get)
+    return k, kinds[k] / breakdown["wall"]
+
+
+def llc_caveat(rows, cache_bytes) -> str:
+    """A caveat when a measured step beat the DRAM floor: the weights may sit in the CPU's cache."""
+    below = [r for r in rows if r.get("ratio", 2) < 1 or r.get("measured", 2) < r.get("floor", 0)]
+    if not below:
+        return ""
+    return ("Some measured times are BELOW the floor computed from the measured DRAM bandwidth: the "
+            f"working set fits in this CPU's last-level cache ({cache_bytes / 2**20:.0f} MiB as Linux "
+            "reports it), which is faster than DRAM, so the DRAM floor does not bind there.")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Tables the chapter prints (shape-only models on the meta device: free to evaluate)
+
+
+def shape_sizes_that_fit(device, quick: bool) -> list[str]:
+    """GPT-2 sizes whose timing fits this device and the build's time budget: all four on a GPU (the
+    smallest only in quick mode), GPT-2 small on a CPU (medium alone, three generators at two thread
+    counts, took over ten minutes on the project's shared 2-core build machine)."""
+    from .models import GPT2_SIZES
+
+    if torch.device(device).type == "cuda":
+        return ["gpt2"] if quick else list(GPT2_SIZES)
+    return ["gpt2"]
+
+
+def model_table(names, bandwidth: float, flops: float, dtype=torch.float32, seq_len: int = 0) -> list[dict]:
+    """Per model: weight bytes, the batch-1 floor and what bounds it, the critical batch, and the
+    context (per row) at which the cache outweighs the weights."""
+    from .memory import context_length
+
+    rows = []
+    for name in names:
+        m = roofline.meta_model(name, dtype)
+        t = roofline.step_terms(m, 1, seq_len, bandwidth, flops)
+        rows.append(dict(name=name, weights=t["weight_bytes"], floor=t["floor"], bound=t["bound"],
+                         intensity=roofline.arithmetic_intensity(m, 1, seq_len),
+                         critical=roofline.critical_batch(m, seq_len, bandwidth, flops),
+                         crossover=roofline.crossover_length(m), context=context_length(m.config),
+                         kv=roofline.cache_read_bytes(m, 1, 1)))
+    return rows
+
+
+def print_model_table(rows) -> None:
+    print(f"{'model':14} {'weights':>10} {'floor, batch 1':>14} {'FLOP/byte':>9} {'critical batch':>14} "
+          f"{'cache = weights at':>19} {'context':>8}")
+    for r in rows:
+        crit = f"{r['critical']:,}" if r["critical"] else "never"
+        beyond = " (beyond)" if r["context"] and r["crossover"] > r["context"] else ""
+        print(f"{r['name']:14} {r['weights'] / 1e9:8.2f} GB {r['floor'] * 1e3:11.2f} ms {r['intensity']:9.2f} "
+              f"{crit:>14} {r['crossover']:>12,} tokens{beyond} {r['context'] or 0:>8,}")
+
+
+# Published figures of the articles' GPU (NVIDIA's RTX 3090 specifications): memory bandwidth and
+# peak dense fp32 arithmetic. The book measures neither: it never had that card.
+RTX3090 = {"bandwidth": 936e9, "flops": 35.6e12}
+
+# What the articles report (source-claims.md): model, new tokens, seconds with the cache.
+ARTICLE_RUNS = [
+    ("A", "gpt2-medium", 100, 2.61),
+    ("C", "gpt2", 128, 0.12),
+    ("C", "gpt2", 256, 0.31),
+    ("C", "gpt2", 512, 0.89),
+]
+
+
+def article_rows(prompt_len: int = 8) -> list[dict]:
+    """Each article's cached-generation time against the fp32 floor of an RTX 3090 (the prompt
+    length is not reported: a short one is assumed; it barely moves the floor)."""
+    rows = []
+    for art, name, n, secs in ARTICLE_RUNS:
+        m = roofline.meta_model(name, torch.float32)
+        floor = roofline.generation_floor(m, 1, prompt_len, n, RTX3090["bandwidth"], RTX3090["flops"])
+        rows.append(dict(article=art, model=name, tokens=n, seconds=secs, per_token=secs / n,
+                         floor_per_token=floor / n, ratio=secs / floor))
+    return rows
+
+
+def quant_rows(name: str, batch_size: int, seq_len: int, bandwidth: float, flops: float) -> list[dict]:
+    """The floor of one step under weight and cache formats (bytes per element; int4 = 0.5), without
+    the scales a real quantized format stores beside the values (a few percent)."""
+    m = roofline.meta_model(name, torch.float16)
+    formats = [("fp32 weights, fp32 cache", 4, 4), ("fp16 weights, fp16 cache", 2, 2),
+               ("fp16 weights, int8 cache", 2, 1), ("fp16 weights, int4 cache", 2, 0.5),
+               ("int8 weights, int8 cache", 1, 1), ("int4 weights, int4 cache", 0.5, 0.5)]
+    rows = []
+    for label, w, c in formats:
+        t = roofline.step_terms(m, batch_size, seq_len, bandwidth, flops, cache_dtype=c, weights_dtype=w)
+        rows.append(dict(format=label, **t))
+    return rows
+
+
+def knee_sentence(measured, floor) -> str:
+    """Compare where the measured step and the floor start to grow with the batch (see :func:`knee`)."""
+    if measured is None and floor is None:
+        return "Neither the measured step nor the floor reached 1.5x its batch-1 time in this sweep."
+    if measured is None or floor is None:
+        which = "measured step" if measured is None else "floor"
+        return (f"The {which} never reached 1.5x its batch-1 time in this sweep; the other did at "
+                f"batch {measured or floor}.")
+    if measured == floor:
+        return f"Both reach 1.5x their batch-1 time at batch {measured}."
+    order = "later" if measured > floor else "earlier"
+    return (f"The measured step reaches 1.5x its batch-1 time at batch {measured}, {order} than the floor "
+            f"(batch {floor}).")
