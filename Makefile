@@ -13,7 +13,14 @@ export PYTHONHASHSEED  ?= 0
 unexport MPLBACKEND
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: book test venv labs labs-check clean clean-book unit notebooks build-strict bench
+.PHONY: book test venv labs labs-check clean clean-book unit notebooks build-strict bench cxx
+
+# torch.compile on a CPU (chapter 8, lab 8) writes C++ and builds it with $CXX, else g++: fail early
+# with a clear message, not deep inside a notebook. CI installs g++ (.ci/run).
+cxx:
+	@command -v "$${CXX:-g++}" >/dev/null 2>&1 || { echo "ERROR: no C++ compiler ('$${CXX:-g++}' not found)." \
+	  "torch.compile on a CPU (chapter 8, lab 8) needs one: install g++ (Debian/Ubuntu: sudo apt-get install g++)" \
+	  "or set CXX to another compiler."; exit 1; }
 
 venv: $(VENV)/.installed
 $(VENV)/.installed: requirements.txt pyproject.toml
@@ -31,30 +38,30 @@ labs: venv
 labs-check: venv
 	$(PY) -m kvlab.labs --check
 
-book: venv
+book: cxx venv
 	$(VENV)/bin/jupyter-book build . -W -n --keep-going
 	@echo; echo "Book built. Open: file://$(CURDIR)/_build/html/index.html"
 
 # The book build the tests use: from scratch (no execution cache), warnings are errors.
-build-strict: venv
+build-strict: cxx venv
 	rm -rf _build/test-html
 	$(VENV)/bin/jupyter-book build . -W -n --keep-going --path-output _build/test-html
 	$(PY) tests/check_built_book.py _build/test-html/_build/html
 
 # Headline speed ratios in one interleaved run (not part of the tests: timings are never asserted).
 # Peer comparison: make bench BENCH_ARGS="--model shape:gpt2 --threads 1 --no-naive"
-bench: venv
+bench: cxx venv
 	$(PY) -m kvlab.bench $(BENCH_ARGS)
 
-unit: venv
+unit: cxx venv
 	$(PY) -m pytest -q tests
 
-notebooks: venv
+notebooks: cxx venv
 	$(PY) -m pytest -q --nbval-lax --nbval-cell-timeout=600 solutions
 
 # The test suite runs the notebooks with reduced measurement sizes (KVLAB_QUICK=1) to fit its budget.
 test: export KVLAB_QUICK := 1
-test: venv labs-check unit notebooks build-strict
+test: cxx venv labs-check unit notebooks build-strict
 	@echo "make test: all passed"
 
 clean-book:

@@ -21,12 +21,18 @@ step means a new graph (or a guard that fails) every step. Production engines fi
 from __future__ import annotations
 
 import math
+import os
+import shutil
+import subprocess
+import sys
+import time
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
 from .cache import Cache
+from .generate import check_inputs
 
 
 class StaticCache(Cache):
@@ -118,10 +124,10 @@ def static_attention_explicit(q, k, v, pos):
 
 
 def forward_static(model, input_ids, cache, pos, attention_fn: Callable = static_attention):
-    """The hand-built GPT-2's forward (``kvlab.gpt2.GPT2``) with a static cache: the ``T`` new tokens
-    sit at positions ``pos .. pos+T-1`` (``pos`` a 0-d tensor). Returns the last position's logits
-    ``[B, vocab]``. The same blocks and weights as ``GPT2.forward``; only where the position comes from
-    and what the cache returns differ."""
+    """The hand-built GPT-2's forward (``kvlab.gpt2.GPT2``) with a static cache (chapter 8): the ``T``
+    new tokens sit at positions ``pos .. pos+T-1`` (``pos`` a 0-d tensor). Returns the last position's
+    logits ``[B, vocab]``. The same blocks and weights as ``GPT2.forward``; only where the position
+    comes from and what the cache returns differ."""
     B, T = input_ids.shape
     cfg = model.config
     C, H, D = cfg.n_embd, cfg.n_head, cfg.head_dim
@@ -186,10 +192,8 @@ class StaticDecoder:
 
     @torch.no_grad()
     def generate(self, input_ids, max_new_tokens: int) -> torch.Tensor:
-        """Greedy tokens ``[B, T + max_new_tokens]``, equal to ``kvlab.gpt2.generate``'s."""
-        from .gpt2 import check_inputs
-
-        ids = check_inputs(self.model, input_ids, max_new_tokens)
+        """Greedy tokens ``[B, T + max_new_tokens]``, equal to ``kvlab.gpt2.generate``'s (chapter 8)."""
+        ids = check_inputs(self.model, input_ids, max_new_tokens, batched=True)
         B, T = ids.shape
         if B != self.batch_size:
             raise ValueError(f"this decoder's cache was made for batch_size={self.batch_size}, got {B} prompts")
@@ -213,7 +217,71 @@ class StaticDecoder:
 
 
 def _tensors_of(obj):
-    """Every tensor an object holds directly or in a list/tuple attribute (to mark them static)."""
+    """Every tensor an object holds directly or in a list, tuple or dict attribute (to mark them static)."""
     for value in vars(obj).values():
-        items = value if isinstance(value, (list, tuple)) else [value]
+        items = list(value.values()) if isinstance(value, dict) else value
+        items = items if isinstance(items, (list, tuple)) else [items]
         yield from (t for t in items if isinstance(t, torch.Tensor))
+
+
+def cpu_compiler() -> str:
+    """The C++ compiler inductor builds its CPU kernels with (``$CXX``, else ``g++``; ``clang++`` on
+    macOS) and its version. ``torch.compile`` on a CPU writes C++ and needs one: without it, say so."""
+    cxx = os.environ.get("CXX", "clang++" if sys.platform == "darwin" else "g++")
+    if shutil.which(cxx) is None:
+        raise RuntimeError(f"torch.compile on a CPU needs a C++ compiler and '{cxx}' is not installed: install "
+                           "g++ (Debian/Ubuntu: apt-get install g++) or point CXX at another one")
+    version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout.splitlines()
+    return f"{cxx} ({version[0] if version else 'unknown version'})"
+
+
+def time_first_call(fn, device) -> float:
+    """Seconds of ONE call of ``fn``, the one that compiles. ``torch.utils.benchmark`` cannot time it: it
+    warms up before measuring, and the warm-up is exactly the compilation. So: a wall clock around a
+    single call, the device synchronised before and after (CUDA runs asynchronously)."""
+    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
+    sync()
+    start = time.perf_counter()
+    fn()
+    sync()
+    return time.perf_counter() - start
+
+
+def break_even_tokens(compile_seconds: float, eager_per_token: float, compiled_per_token: float):
+    """After how many generated tokens compiling has paid for itself (``None``: it never does)."""
+    gain = eager_per_token - compiled_per_token
+    return compile_seconds / gain if gain > 0 else None
+
+
+# ---------------------------------------------------------------------------------------------------
+# transformers' way: StaticCache + torch.compile inside generate
+
+
+def hf_compile_config(device, backend="inductor", mode: str | None = None):
+    """A transformers ``CompileConfig`` for ``generate`` (chapter 8): ``reduce-overhead`` (CUDA
+    graphs) on CUDA, inductor's default mode elsewhere. transformers compiles the decode step by itself
+    only on accelerators; its ``_compile_all_devices`` flag (meant for exactly this) asks it to on a
+    CPU too."""
+    from transformers import CompileConfig
+
+    device = torch.device(device)
+    if mode is None:
+        mode = "reduce-overhead" if device.type == "cuda" else "default"
+    config = CompileConfig(backend=backend, mode=mode, fullgraph=True, dynamic=False)
+    config._compile_all_devices = device.type != "cuda"
+    return config
+
+
+@torch.no_grad()
+def hf_static_generate(model, input_ids, max_new_tokens: int, compile_config=None) -> torch.Tensor:
+    """transformers' greedy ``generate`` with ``cache_implementation="static"`` (chapter 8); the decode
+    step compiled with ``compile_config`` (see :func:`hf_compile_config`), or eager when it is ``None``
+    (on a GPU transformers would otherwise compile it on its own). transformers keeps the compiled
+    step on the model and compiles again only for a config with other settings, or new shapes."""
+    ids = check_inputs(model, input_ids, max_new_tokens)
+    if max_new_tokens == 0:
+        return ids
+    how = {"compile_config": compile_config} if compile_config is not None else {"disable_compile": True}
+    return model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                          max_new_tokens=max_new_tokens, eos_token_id=None,
+                          pad_token_id=model.config.eos_token_id, cache_implementation="static", **how)

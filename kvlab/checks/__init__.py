@@ -13,6 +13,8 @@ from .lab04 import check_kv_cache_bytes, check_max_batch_size
 from .lab05 import check_quantize
 from .lab06 import check_batched_generate, check_make_batch
 from .lab07 import check_decode_step_bytes, check_step_time_floor
+from .lab08 import check_no_recompile, check_static_attention, check_static_cache
 
 __all__ = ["check_naive_generate", "check_cached_generate", "check_kv_cache", "check_attention", "check_generate_with_cache", "check_kv_cache_bytes", "check_max_batch_size", "check_quantize", "check_make_batch", "check_batched_generate",
-           "check_decode_step_bytes", "check_step_time_floor"]
+           "check_decode_step_bytes", "check_step_time_floor",
+           "check_static_cache", "check_static_attention", "check_no_recompile"]
