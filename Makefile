@@ -16,7 +16,14 @@ export TOKENIZERS_PARALLELISM ?= false
 # hqq (chapter 5) builds optional CUDA kernels at install time otherwise; its PyTorch path needs none.
 export DISABLE_CUDA ?= 1
 
-.PHONY: book test venv node labs labs-check clean clean-book unit notebooks build-strict browser bench lane-code lane-book
+.PHONY: book test venv node labs labs-check clean clean-book unit notebooks build-strict browser bench cxx lane-code lane-book
+
+# torch.compile on a CPU (chapter 8, lab 8) writes C++ and builds it with $CXX, else g++: fail early
+# with a clear message, not deep inside a notebook. CI installs g++ (.ci/run).
+cxx:
+	@command -v "$${CXX:-g++}" >/dev/null 2>&1 || { echo "ERROR: no C++ compiler ('$${CXX:-g++}' not found)." \
+	  "torch.compile on a CPU (chapter 8, lab 8) needs one: install g++ (Debian/Ubuntu: sudo apt-get install g++)" \
+	  "or set CXX to another compiler."; exit 1; }
 
 venv: $(VENV)/.installed
 $(VENV)/.installed: requirements.txt requirements-lab.txt pyproject.toml
@@ -39,12 +46,12 @@ labs: venv
 labs-check: venv
 	$(PY) -m kvlab.labs --check
 
-book: venv node
+book: cxx venv node
 	$(VENV)/bin/jupyter-book build . -W -n --keep-going
 	@echo; echo "Book built. Open: file://$(CURDIR)/_build/html/index.html"
 
 # The book build the tests use: from scratch (no execution cache), warnings are errors.
-build-strict: venv node
+build-strict: cxx venv node
 	rm -rf _build/test-html
 	$(VENV)/bin/jupyter-book build . -W -n --keep-going --path-output _build/test-html
 	$(PY) tests/check_built_book.py _build/test-html/_build/html
@@ -56,20 +63,20 @@ browser: venv
 
 # Headline speed ratios in one interleaved run (not part of the tests: timings are never asserted).
 # Peer comparison: make bench BENCH_ARGS="--model shape:gpt2 --threads 1 --no-naive"
-bench: venv
+bench: cxx venv
 	$(PY) -m kvlab.bench $(BENCH_ARGS)
 
-unit: venv node
+unit: cxx venv node
 	$(PY) -m pytest -q tests
 
-notebooks: venv
+notebooks: cxx venv
 	$(PY) -m pytest -q --nbval-lax --nbval-cell-timeout=600 solutions
 
 # The test suite runs the notebooks with reduced measurement sizes (KVLAB_QUICK=1) to fit its budget.
 # Two lanes in parallel on two cores: code (unit, then notebooks) and book (strict build, then the
 # browser). -Orecurse prints each lane's output as one block when it ends; a failing lane fails `make test`.
 test: export KVLAB_QUICK := 1
-test: venv node labs-check
+test: cxx venv node labs-check
 	$(MAKE) --no-print-directory -j2 -Orecurse lane-code lane-book
 	@echo "make test: all passed"
 

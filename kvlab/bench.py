@@ -9,6 +9,10 @@ generator is not a result). It then prints ratios, each from one interleaved run
 with the banner that says which machine that is, and each generator's time over the floor that
 this machine's measured bandwidth and matmul rate set (chapter 7). No test asserts these numbers: they are
 measurements, not properties.
+
+The compiled rows (chapter 8: a static cache and ``torch.compile`` of the decode step, CUDA graphs on a
+GPU; ``--no-compile`` skips them) are compiled before the run; their compile time is printed apart,
+with the number of tokens after which compiling pays off. On a CPU this needs a C++ compiler.
 """
 
 from __future__ import annotations
@@ -17,12 +21,12 @@ import argparse
 
 import torch
 
-from . import gpt2, models, roofline, timing
+from . import gpt2, models, roofline, static, timing
 from .generate import cached_generate, hf_greedy, naive_generate
 
 
 def run(model_name: str, new_tokens: int, prompt_len: int, repeats: int, threads: int | None,
-        naive: bool) -> dict[str, float]:
+        naive: bool, compiled: bool = True) -> dict[str, float]:
     timing.set_threads(threads)
     device = models.pick_device()
     hf, _ = models.load(model_name, device=device)
@@ -41,6 +45,7 @@ def run(model_name: str, new_tokens: int, prompt_len: int, repeats: int, threads
     }
     if naive:
         runs["naive (no cache)"] = lambda: naive_generate(hf, prompt, new_tokens)
+    first_call = _add_compiled(runs, hf, ours, prompt, new_tokens, device) if compiled else {}
     reference = runs["transformers generate (DynamicCache)"]()
     for name, fn in runs.items():
         if not torch.equal(fn().cpu(), reference.cpu()):
@@ -56,7 +61,38 @@ def run(model_name: str, new_tokens: int, prompt_len: int, repeats: int, threads
         out[name] = timing.ratio(base, t)
         print(f"{name:46s} {t.median:9.3f} {new_tokens / t.median:9.1f} {out[name]:21.2f}x "
               f"{t.median / floor:7.1f}x   (spread {t.spread:.0%})")
+    _print_compile_times(first_call, res, new_tokens)
     return out
+
+
+# The compiled generators of chapter 8, each with the eager generator it replaces.
+_COMPILED = {"transformers generate, StaticCache, compiled": "transformers generate (DynamicCache)",
+             "kvlab hand-built GPT-2, static cache, compiled": "kvlab hand-built GPT-2, preallocated cache"}
+
+
+def _add_compiled(runs, hf, ours, prompt, new_tokens, device) -> dict[str, float]:
+    """Add the compiled generators to ``runs``; return the seconds of each one's first call, which
+    compiles (torch.compile: inductor; CUDA graphs on a GPU)."""
+    config = static.hf_compile_config(device)
+    dec = static.StaticDecoder(ours, max_len=prompt.shape[1] + new_tokens).compile()
+    fns = dict(zip(_COMPILED, (lambda: static.hf_static_generate(hf, prompt, new_tokens, config),
+                               lambda: dec.generate(prompt, new_tokens))))
+    first = {}
+    for name, fn in fns.items():
+        print(f"compiling: {name} ...", flush=True)
+        first[name] = static.time_first_call(fn, device)
+    runs.update(fns)
+    return first
+
+
+def _print_compile_times(first_call, res, new_tokens) -> None:
+    """Compile time apart from the steady state, and after how many tokens compiling pays off."""
+    for name, first in first_call.items():
+        eager, steady = res[_COMPILED[name]].median, res[name].median
+        n = static.break_even_tokens(first - steady, eager / new_tokens, steady / new_tokens)
+        pays = f"pays off after {n:,.0f} tokens" if n is not None else "never pays off here"
+        print(f"{name}: first call {first:.1f} s (compilation included), steady {steady:.3f} s, so compiling "
+              f"took about {first - steady:.1f} s; against {_COMPILED[name]} it {pays}")
 
 
 def _floor(hf, device, prompt_len: int, new_tokens: int) -> float:
@@ -76,8 +112,10 @@ def main(argv=None) -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=None, help="CPU threads (default: KVLAB_THREADS or all cores)")
     ap.add_argument("--no-naive", action="store_true", help="skip the (slow) uncached generator")
+    ap.add_argument("--no-compile", action="store_true", help="skip the compiled generators (chapter 8)")
     args = ap.parse_args(argv)
-    run(args.model, args.new_tokens, args.prompt_len, args.repeats, args.threads, naive=not args.no_naive)
+    run(args.model, args.new_tokens, args.prompt_len, args.repeats, args.threads, naive=not args.no_naive,
+        compiled=not args.no_compile)
 
 
 if __name__ == "__main__":

@@ -45,6 +45,7 @@ SETUP_TEMPLATE = """\
 # (Colab, a bare Jupyter) it installs release {version} of the book's library from the
 # book's repository, keeping an installed torch (Colab's). Elsewhere it does nothing.
 import importlib.util, os, subprocess, sys, tempfile
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")   # before torch is imported, or idle threads spin
 if importlib.util.find_spec("kvlab") is None:
     url = os.environ.get("KVLAB_REPO", "{url}")
     src = os.path.join(tempfile.gettempdir(), "kvlab-{version}")

@@ -88,6 +88,140 @@ def test_rejects(impl, needles):
     expect_rejected(check_naive_generate, impl, *needles)
 
 
+# ------------------------------------------------ issue 18: hardened grader (edges, model, shortcuts)
+
+from transformers import DynamicCache  # noqa: E402
+
+from kvlab.checks import check_sample_generate  # noqa: E402
+
+
+@torch.no_grad()
+def stops_at_eos(model, ids, n):
+    for _ in range(n):
+        nxt = model(ids, use_cache=False).logits[:, -1].argmax(-1, keepdim=True)
+        ids = torch.cat([ids, nxt], 1)
+        if int(nxt) == model.config.eos_token_id:
+            break
+    return ids
+
+
+@torch.no_grad()
+def uses_a_cache(model, ids, n):
+    cache, nxt, out = DynamicCache(config=model.config), ids, ids
+    for _ in range(n):
+        nxt = model(nxt, cache=cache, use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
+        out = torch.cat([out, nxt], 1)
+    return out
+
+
+def calls_generate(model, ids, n):
+    return model.generate(ids, max_new_tokens=n, do_sample=False)
+
+
+def casts_to_half(model, ids, n):
+    model.half()
+    return reference(model, ids, n)
+
+
+def edits_weights(model, ids, n):
+    with torch.no_grad():
+        model.transformer.wte.weight[1] += 1.0
+    return reference(model, ids, n)
+
+
+def leaves_a_hook(model, ids, n):
+    model.transformer.h[0].register_forward_hook(lambda *a: None)
+    return reference(model, ids, n)
+
+
+def switches_to_train(model, ids, n):
+    model.train()
+    return reference(model, ids, n)
+
+
+@torch.no_grad()
+def at_least_one_token(model, ids, n):
+    for _ in range(max(n, 1)):
+        ids = torch.cat([ids, model(ids, use_cache=False).logits[:, -1].argmax(-1, keepdim=True)], 1)
+    return ids
+
+
+@torch.no_grad()
+def crashes(model, ids, n):
+    nxt = model(ids, use_cache=False).logits[:, -1].argmax(-1)      # [1], not [1, 1]
+    return torch.cat([ids, nxt], 1)
+
+
+@pytest.mark.parametrize("impl, needles", [
+    (stops_at_eos, ["end-of-text", "exactly"]),
+    (uses_a_cache, ["forbids a cache"]),
+    (calls_generate, ["model.generate"]),
+    (casts_to_half, ["changed the model", "torch.float16"]),
+    (edits_weights, ["edited in place", "wte"]),
+    (leaves_a_hook, ["hook"]),
+    (switches_to_train, ["training mode"]),
+    (at_least_one_token, ["max_new_tokens=0"]),
+    (crashes, ["naive_generate(model", "raised RuntimeError"]),
+])
+def test_rejects_hardened(impl, needles):
+    expect_rejected(check_naive_generate, impl, *needles)
+
+
+@torch.no_grad()
+def via_forward(model, ids, n):
+    """Unusual but correct: model.forward called directly, a while loop."""
+    while ids.shape[1] < ids.shape[1] + n and n > 0:
+        ids = torch.cat([ids, model.forward(ids, use_cache=False).logits[:, -1].argmax(-1, keepdim=True)], 1)
+        n -= 1
+    return ids
+
+
+def test_accepts_model_forward(capsys):
+    check_naive_generate(via_forward)
+    assert "PASSED" in capsys.readouterr().out
+
+
+@torch.no_grad()
+def sampler(model, ids, n, temperature=1.0, top_k=None, scale=lambda l, t: l / t, draws=1):
+    if temperature <= 0:
+        raise ValueError("temperature must be > 0")
+    for _ in range(n):
+        logits = scale(model(ids, use_cache=False).logits[:, -1, :], temperature)
+        if top_k is not None:
+            logits = logits.masked_fill(logits < torch.topk(logits, top_k).values[:, -1:], float("-inf"))
+        for _ in range(draws - 1):
+            torch.rand(1)
+        ids = torch.cat([ids, torch.multinomial(torch.softmax(logits, -1), 1)], 1)
+    return ids
+
+
+def test_sampler_accepts_reference(capsys):
+    check_sample_generate(sampler)
+    assert "PASSED check_sample_generate" in capsys.readouterr().out
+
+
+@torch.no_grad()
+def greedy_sampler(model, ids, n, temperature=1.0, top_k=None):
+    if temperature <= 0:
+        raise ValueError("temperature")
+    return reference(model, ids, n)
+
+
+def no_value_error(model, ids, n, temperature=1.0, top_k=None):
+    return sampler(model, ids, n, max(temperature, 1e-3), top_k)
+
+
+@pytest.mark.parametrize("impl, needles", [
+    (greedy_sampler, ["GREEDY"]),
+    (lambda m, i, n, t=1.0, k=None: sampler(m, i, n, t, k, scale=lambda l, t: l * t), ["MULTIPLY"]),
+    (lambda m, i, n, t=1.0, k=None: sampler(m, i, n, t, None), ["top_k is ignored"]),
+    (lambda m, i, n, t=1.0, k=None: sampler(m, i, n, t, k, draws=2), ["same seed"]),
+    (no_value_error, ["temperature=0", "ValueError"]),
+])
+def test_sampler_rejects(impl, needles):
+    expect_rejected(check_sample_generate, impl, *needles)
+
+
 @torch.no_grad()
 def article_a_step_count(model, ids, n):
     """Article A's loop bound: ``range(max_length - len(input_ids))`` on a ``[1, T]`` tensor. ``len``

@@ -29,6 +29,8 @@ def test_accepts_reference(capsys):
 @torch.no_grad()
 def cache_from_output(model, ids, n):
     """Also correct: let the model create the cache at the prefill and keep out.cache."""
+    if n == 0:
+        return ids
     out = model(ids, use_cache=True)
     pieces = [ids, greedy(out)]
     for _ in range(n - 1):
@@ -40,6 +42,8 @@ def cache_from_output(model, ids, n):
 @torch.no_grad()
 def deprecated_name(model, ids, n):
     """Also correct: the pre-5.24 argument name, still accepted (with a FutureWarning)."""
+    if n == 0:
+        return ids
     cache = DynamicCache(config=model.config)
     out = model(ids, past_key_values=cache, use_cache=True)
     pieces = [ids, greedy(out)]
@@ -204,3 +208,100 @@ def deep_copied_each_step(model, ids, n):
 def test_rejects(impl, needles):
     _shared.clear()
     expect_rejected(check_cached_generate, impl, *needles)
+
+
+# ------------------------------------------------ issue 18: hardened grader and generate_until
+
+from kvlab.checks import check_generate_until  # noqa: E402
+from kvlab.generate import cached_generate as reference_cached  # noqa: E402
+
+
+@torch.no_grad()
+def cached_stops_at_eos(model, ids, n):
+    if n == 0:
+        return ids
+    cache = DynamicCache(config=model.config)
+    out = model(ids, cache=cache, use_cache=True)
+    pieces = [ids, greedy(out)]
+    for _ in range(n - 1):
+        if int(pieces[-1]) == model.config.eos_token_id:
+            break
+        out = model(pieces[-1], cache=cache, use_cache=True)
+        pieces.append(greedy(out))
+    return torch.cat(pieces, dim=1)
+
+
+def cached_calls_generate(model, ids, n):
+    return model.generate(ids, max_new_tokens=n, do_sample=False) if n else ids
+
+
+def cached_casts(model, ids, n):
+    model.to(torch.bfloat16)
+    return reference_cached(model, ids, n)
+
+
+@pytest.mark.parametrize("impl, needles", [
+    (cached_stops_at_eos, ["end-of-text", "exactly"]),
+    (cached_calls_generate, ["model.generate"]),
+    (cached_casts, ["changed the model", "bfloat16"]),
+])
+def test_rejects_hardened(impl, needles):
+    expect_rejected(check_cached_generate, impl, *needles)
+
+
+@torch.no_grad()
+def forward_directly(model, ids, n):
+    """Unusual but correct: model.forward instead of model(...)."""
+    if n == 0:
+        return ids
+    cache = DynamicCache(config=model.config)
+    pieces = [ids, greedy(model.forward(ids, cache=cache, use_cache=True))]
+    for _ in range(n - 1):
+        pieces.append(greedy(model.forward(pieces[-1], cache=cache, use_cache=True)))
+    return torch.cat(pieces, dim=1)
+
+
+def test_accepts_model_forward(capsys):
+    check_cached_generate(forward_directly)
+    assert "PASSED" in capsys.readouterr().out
+
+
+@torch.no_grad()
+def until(model, ids, n, eos, keep_eos=True, look_in_prompt=False, extra_forward=False):
+    if n < 0:
+        raise ValueError("max_new_tokens must be >= 0")
+    pieces, cache, nxt = [ids], DynamicCache(config=model.config), ids
+    if look_in_prompt and eos in ids[0].tolist():
+        return ids
+    for _ in range(n):
+        nxt = greedy(model(nxt, cache=cache, use_cache=True))
+        if int(nxt) == eos:
+            if keep_eos:
+                pieces.append(nxt)
+            if extra_forward:
+                model(nxt, cache=cache, use_cache=True)
+            break
+        pieces.append(nxt)
+    return torch.cat(pieces, dim=1)
+
+
+def test_until_accepts_reference(capsys):
+    check_generate_until(until)
+    assert "PASSED check_generate_until" in capsys.readouterr().out
+
+
+def no_stop(model, ids, n, eos):
+    if n < 0:
+        raise ValueError("n")
+    return reference_cached(model, ids, n)
+
+
+@pytest.mark.parametrize("impl, needles", [
+    (no_stop, ["went on after"]),
+    (lambda m, i, n, e: until(m, i, n, e, keep_eos=False), ["dropped the end-of-text"]),
+    (lambda m, i, n, e: until(m, i, n, e, look_in_prompt=True), ["PROMPT"]),
+    (lambda m, i, n, e: until(m, i, n, e, extra_forward=True), ["forward calls"]),
+    (lambda m, i, n, e: until(m, i, max(n, 0), e), ["max_new_tokens=-1", "ValueError"]),
+])
+def test_until_rejects(impl, needles):
+    expect_rejected(check_generate_until, impl, *needles)

@@ -150,7 +150,7 @@ def test_accepts_reference(capsys):
 @pytest.mark.parametrize("impl, needles", [
     (attention_no_mask, ["no causal mask"]),
     (attention_mask_ignores_past, ["ignores past_len"]),
-    (attention_is_causal_flag, ["ignores past_len"]),
+    (attention_is_causal_flag, ["do not call scaled_dot_product_attention"]),
     (attention_scale_1_over_d, ["scale", "sqrt(D)"]),
     (attention_no_scale, ["not scaled"]),
     (attention_batch_one, ["batch"]),
@@ -183,3 +183,70 @@ def test_kv_cache_rejects(impl, needles):
 ])
 def test_generate_rejects(cache, attn, needles):
     expect_rejected(lambda pair: check_generate_with_cache(*pair), (cache, attn), *needles)
+
+
+# ------------------------------------------------ issue 18: contract edges, dtypes, devices
+
+from kvlab.checks import check_cache_bytes_prediction  # noqa: E402
+
+
+class CacheOverflowIndexError(PreallocatedCache):
+    def update(self, layer, k, v):                               # a raw error instead of ValueError
+        if self._len + k.shape[2] > self.max_len:
+            raise IndexError("out of range")
+        return super().update(layer, k, v)
+
+
+class CacheAlwaysCPU(PreallocatedCache):
+    def __init__(self, n_layer, batch_size, n_head, head_dim, max_len, dtype=torch.float32, device="cpu"):
+        super().__init__(n_layer, batch_size, n_head, head_dim, max_len, dtype, "cpu")
+
+    def update(self, layer, k, v):
+        keys, values = super().update(layer, k.to("cpu") if k.device.type != "meta" else
+                                      torch.zeros(k.shape, dtype=k.dtype), v.to("cpu") if
+                                      v.device.type != "meta" else torch.zeros(v.shape, dtype=v.dtype))
+        return keys, values
+
+
+class CacheFullIsOverflow(PreallocatedCache):
+    def update(self, layer, k, v):                               # off by one: refuses to fill max_len
+        if self._len + k.shape[2] >= self.max_len:
+            raise ValueError("full")
+        return super().update(layer, k, v)
+
+
+class CacheIgnoresDtype(PreallocatedCache):
+    def __init__(self, n_layer, batch_size, n_head, head_dim, max_len, dtype=torch.float32, device="cpu"):
+        super().__init__(n_layer, batch_size, n_head, head_dim, max_len, torch.float64, device)
+
+
+def attention_upcasts(q, k, v, past_len):                          # returns float32 for bf16 inputs
+    return reference_attention(q.float(), k.float(), v.float(), past_len)
+
+
+@pytest.mark.parametrize("impl, needles", [
+    (CacheOverflowIndexError, ["ValueError", "IndexError"]),
+    (CacheAlwaysCPU, ["meta"]),
+    (CacheFullIsOverflow, ["EXACTLY"]),
+    (CacheIgnoresDtype, ["dtype"]),
+])
+def test_kv_cache_rejects_hardened(impl, needles):
+    expect_rejected(check_kv_cache, impl, *needles)
+
+
+def test_attention_rejects_upcast():
+    expect_rejected(check_attention, attention_upcasts, "bfloat16")
+
+
+def test_cache_bytes_prediction():
+    check_cache_bytes_prediction(PreallocatedCache, 2 * 12 * 12 * 1024 * 64 * 4)
+    expect_rejected(lambda c: check_cache_bytes_prediction(c, 12 * 12 * 1024 * 64 * 4),
+                    PreallocatedCache, "you predicted", "0.5 times")
+    expect_rejected(lambda c: check_cache_bytes_prediction(c, 1.2e8), PreallocatedCache, "int")
+
+
+def test_chapter_3_sdpa_attention_does_not_pass():
+    """Chapter 3 shows sdpa_attention (correct, fused): pasting it must not pass the exercise."""
+    from kvlab.gpt2 import sdpa_attention
+
+    expect_rejected(check_attention, sdpa_attention, "scaled_dot_product_attention")

@@ -106,9 +106,49 @@ def test_rejects_kv_cache_bytes(impl, needles):
 
 
 @pytest.mark.parametrize("impl, needles", [
-    (rounds_up, ["rounded the batch up"]),
+    (rounds_up, ["rounded the batch up", "round down"]),
     (strict_fit, ["exactly", "does fit"]),
     (float_batch, ["return a python int"]),
 ])
 def test_rejects_max_batch_size(impl, needles):
     expect_rejected(check_max_batch_size, impl, *needles)
+
+
+# ------------------------------------------------ issue 18: configs without head_dim, max_seq_len
+
+from kvlab.checks import check_max_seq_len  # noqa: E402
+from kvlab.memory import kv_cache_bytes as reference_bytes  # noqa: E402
+
+
+def head_dim_attribute(config, seq_len, batch_size, dtype):
+    """Reads config.head_dim directly: Qwen2-style configs have no such attribute."""
+    kv = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    return 2 * config.num_hidden_layers * kv * config.head_dim * seq_len * batch_size * dtype.itemsize
+
+
+def head_dim_default(config, seq_len, batch_size, dtype):
+    """getattr with a default still returns None when the config sets head_dim=None (Mixtral)."""
+    kv = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    hd = getattr(config, "head_dim", config.hidden_size // config.num_attention_heads)
+    return 2 * config.num_hidden_layers * kv * hd * seq_len * batch_size * dtype.itemsize
+
+
+@pytest.mark.parametrize("impl, needles", [
+    (head_dim_attribute, ["raised AttributeError"]),
+    (head_dim_default, ["raised TypeError"]),
+])
+def test_rejects_configs_without_head_dim(impl, needles):
+    expect_rejected(check_kv_cache_bytes, impl, *needles)
+
+
+def max_seq_len(config, batch_size, dtype, free_bytes, cap=True, ceil=False):
+    per = reference_bytes(config, 1, batch_size, dtype)
+    n = -(-free_bytes // per) if ceil else free_bytes // per
+    return min(n, config.max_position_embeddings) if cap else n
+
+
+def test_max_seq_len():
+    check_max_seq_len(max_seq_len)
+    expect_rejected(check_max_seq_len, lambda *a: max_seq_len(*a, cap=False), "context")
+    expect_rejected(check_max_seq_len, lambda *a: max_seq_len(*a, ceil=True), "round down")
+    expect_rejected(check_max_seq_len, lambda *a: float(max_seq_len(*a)), "int")

@@ -146,3 +146,52 @@ def test_rejects(impl, needles):
 
 def test_rejects_dequantize_without_zero_point():
     expect_rejected(lambda f: check_quantize(quantize, f), dequantize_forgets_zero_point, "zero_point")
+
+
+# ------------------------------------------------ issue 18: dtypes, bits, integer zero point
+
+from kvlab.checks import check_quantize_int  # noqa: E402
+
+
+def stats_in_float32(x, bits, dim):
+    q, scale, zp = quantize(x.float(), bits, dim)
+    return q, scale, zp
+
+
+def even_bits_only(x, bits, dim):
+    if bits % 2 or not 2 <= bits <= 8:
+        raise ValueError("bits")
+    return quantize(x, 8 if bits == 6 else bits, dim)
+
+
+@pytest.mark.parametrize("impl, needles", [
+    (stats_in_float32, ["float16", "keep the input's dtype"]),
+    (even_bits_only, ["bits=6", "ValueError"]),
+])
+def test_rejects_hardened(impl, needles):
+    expect_rejected(lambda f: check_quantize(f, dequantize), impl, *needles)
+
+
+def quantize_int(x, bits, dim, include_zero=True, int_zp=True):
+    if bits not in (2, 4, 8):
+        raise ValueError("bits")
+    levels = 2 ** bits - 1
+    lo, hi = x.amin(dim=dim, keepdim=True), x.amax(dim=dim, keepdim=True)
+    if include_zero:
+        lo, hi = lo.clamp(max=0), hi.clamp(min=0)
+    scale = (hi - lo) / levels
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    z = torch.round(-lo / scale).clamp(0, levels)
+    z = z.to(torch.uint8) if int_zp else z
+    return (torch.round(x / scale) + z).clamp(0, levels).to(torch.uint8), scale, z
+
+
+def dequantize_int(q, scale, z):
+    return (q.to(scale.dtype) - z.to(scale.dtype)) * scale
+
+
+def test_quantize_int():
+    check_quantize_int(quantize_int, dequantize_int)
+    check = lambda f: check_quantize_int(f, dequantize_int)  # noqa: E731
+    expect_rejected(check, lambda x, b, d: quantize_int(x, b, d, int_zp=False), "INTEGER")
+    expect_rejected(check, lambda x, b, d: quantize_int(x, b, d, include_zero=False), "INCLUDES 0")

@@ -140,3 +140,158 @@ def test_hook_is_removed():
     with pytest.raises(AssertionError):
         check_batched_generate(one_at_a_time)
     assert not model._forward_pre_hooks and "generate" not in vars(model)
+
+
+# ------------------------------------------------ issue 18: unusual correct solutions, new mistakes
+
+import re  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+from kvlab.checks import check_batched_generate_until  # noqa: E402
+
+
+@torch.no_grad()
+def _loop(model, ids, am, n, forward=None):
+    """A correct batched greedy loop over an already padded batch; returns [B, n] as lists."""
+    forward = forward or model
+    B, cache, new = ids.shape[0], DynamicCache(config=model.config), []
+    pos = positions_from_mask(am)
+    out = forward(input_ids=ids, attention_mask=am, position_ids=pos, cache=cache, use_cache=True)
+    for step in range(n):
+        new.append(out.logits[:, -1].argmax(-1))
+        if step == n - 1:
+            break
+        am = torch.cat([am, am.new_ones(B, 1)], 1)
+        pos = pos[:, -1:] + 1
+        out = forward(input_ids=new[-1][:, None], attention_mask=am, position_ids=pos, cache=cache,
+                      use_cache=True)
+    return torch.stack(new, 1).tolist() if new else [[] for _ in range(B)]
+
+
+def _pad_left(rows, width, pad):
+    ids = torch.tensor([[pad] * (width - len(r)) + r for r in rows])
+    am = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
+    return ids, am
+
+
+def sorted_and_restored(model, tok, prompts, n, restore=True):
+    """Unusual but correct: sort the prompts by length, then put the results back in order."""
+    if not prompts:
+        raise ValueError("no prompts")
+    rows = [tok(p).input_ids for p in prompts]
+    order = sorted(range(len(rows)), key=lambda i: len(rows[i]))
+    ids, am = _pad_left([rows[i] for i in order], max(map(len, rows)), tok.pad_token_id)
+    new = _loop(model, ids, am, n)
+    if not restore:
+        return new
+    out = [None] * len(rows)
+    for slot, i in enumerate(order):
+        out[i] = new[slot]
+    return out
+
+
+def padded_to_multiple_of_8(model, tok, prompts, n):
+    """Unusual but correct: extra masked pads (width rounded up to a multiple of 8), tuples out."""
+    if not prompts:
+        raise ValueError("no prompts")
+    rows = [tok(p).input_ids for p in prompts]
+    width = -(-max(map(len, rows)) // 8) * 8
+    new = _loop(model, *_pad_left(rows, width, tok.pad_token_id), n)
+    return tuple(tuple(r) for r in new)
+
+
+def via_forward(model, tok, prompts, n):
+    """Unusual but correct: model.forward called directly."""
+    if not prompts:
+        raise ValueError("no prompts")
+    rows = [tok(p).input_ids for p in prompts]
+    ids, am = _pad_left(rows, max(map(len, rows)), tok.pad_token_id)
+    return _loop(model, ids, am, n, forward=model.forward)
+
+
+@pytest.mark.parametrize("impl", [sorted_and_restored, padded_to_multiple_of_8, via_forward])
+def test_accepts_unusual_correct(impl, capsys):
+    check_batched_generate(impl)
+    assert "PASSED check_batched_generate" in capsys.readouterr().out
+
+
+def returns_tensor(model, tok, prompts, n):
+    return torch.tensor(reference_generate(model, tok, prompts, n))
+
+
+def stops_whole_batch(model, tok, prompts, n):
+    out = reference_generate(model, tok, prompts, n)
+    eos = tok.eos_token_id
+    stop = min((r.index(eos) + 1 for r in out if eos in r), default=n)
+    return [r[:stop] for r in out]
+
+
+def no_value_error(model, tok, prompts, n):
+    return reference_generate(model, tok, prompts, n) if prompts else []
+
+
+@pytest.mark.parametrize("impl, needles", [
+    (returns_tensor, ["list", "Tensor"]),
+    (functools.partial(sorted_and_restored, restore=False), ["order", "sort"]),
+    (stops_whole_batch, ["whole batch"]),
+    (no_value_error, ["empty list", "ValueError"]),
+])
+def test_batched_generate_rejects_hardened(impl, needles):
+    expect_rejected(check_batched_generate, impl, *needles)
+
+
+def mask_from_pad_id(tok, prompts):
+    """Builds the mask as ids != pad: wrong when a prompt holds the pad token as a real token."""
+    ids, _, _ = reference_make_batch(tok, prompts)
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    am = (ids != pad).long()
+    return ids, am, positions_from_mask(am)
+
+
+def test_make_batch_rejects_mask_from_pad_id():
+    expect_rejected(check_make_batch, mask_from_pad_id, "REAL token")
+
+
+def test_chapter_6_variant_generate_does_not_pass():
+    """The chapter's visible helper must not pass the lab as pasted (issue 18)."""
+    import copy as copy_module
+
+    src = (Path(__file__).parents[1] / "book" / "ch06_batched_generation.md").read_text()
+    cell = re.search(r"(@torch\.no_grad\(\)\ndef variant_generate.*?\n    return [^\n]*\n)", src, re.S)
+    env = {"torch": torch, "copy": copy_module, "DynamicCache": DynamicCache,
+           "positions_from_mask": positions_from_mask, "device": torch.device("cpu")}
+    exec(cell.group(1), env)
+    expect_rejected(check_batched_generate, env["variant_generate"], "list")
+
+
+@torch.no_grad()
+def _until(model, tok, prompts, n, whole_batch=False, cut=True, extra=False):
+    rows = [tok(p).input_ids for p in prompts]
+    ids, am = _pad_left(rows, max(map(len, rows)), tok.pad_token_id)
+    pos, eos = positions_from_mask(am), tok.eos_token_id
+    cache, res, done = DynamicCache(config=model.config), [[] for _ in rows], [False] * len(rows)
+    for _ in range(n):
+        out = model(input_ids=ids, attention_mask=am, position_ids=pos, cache=cache, use_cache=True)
+        nxt = out.logits[:, -1].argmax(-1)
+        for i, t in enumerate(nxt.tolist()):
+            if not done[i] or not cut:
+                res[i].append(t)
+            done[i] = done[i] or t == eos
+        if all(done) or (whole_batch and any(done)):
+            break
+        ids, pos = nxt[:, None], pos[:, -1:] + 1
+        am = torch.cat([am, am.new_ones(len(rows), 1)], 1)
+    if extra:                                        # one forward pass too many
+        model(input_ids=ids[:, -1:], attention_mask=am, position_ids=pos, cache=cache, use_cache=True)
+    return res
+
+
+def test_until_accepts_and_rejects(capsys):
+    check_batched_generate_until(_until)
+    assert "PASSED check_batched_generate_until" in capsys.readouterr().out
+    expect_rejected(check_batched_generate_until, functools.partial(_until, whole_batch=True),
+                    "others go on")
+    expect_rejected(check_batched_generate_until, functools.partial(_until, cut=False),
+                    "goes on after its end-of-text")
+    expect_rejected(check_batched_generate_until, functools.partial(_until, extra=True),
+                    "forward passes")

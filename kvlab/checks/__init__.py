@@ -1,22 +1,45 @@
-"""The lab graders. Each ``check_*`` runs a learner's function on fresh inputs against an independent
-reference (transformers itself, or float64 arithmetic), raises ``AssertionError`` with a message that
-points at the mistake, and prints one line when it passes.
+"""The lab graders. Each ``check_*`` runs a learner's function on fresh inputs against an
+independent reference (transformers itself, or float64 arithmetic), raises ``AssertionError``
+with a message that points at the mistake, and prints one line when it passes.
 
 One submodule per lab; everything is re-exported here so a notebook writes
 ``from kvlab.checks import check_naive_generate``.
 """
 
-from .lab01 import check_naive_generate
-from .lab02 import check_cached_generate
-from .lab03 import check_attention, check_generate_with_cache, check_kv_cache
-from .lab04 import check_kv_cache_bytes, check_max_batch_size
-from .lab05 import check_quantize
-from .lab06 import check_batched_generate, check_make_batch
+from .lab01 import check_naive_generate, check_sample_generate
+from .lab02 import check_cached_generate, check_generate_until
+from .lab03 import (check_attention, check_cache_bytes_prediction, check_generate_with_cache,
+                    check_kv_cache)
+from .lab04 import check_kv_cache_bytes, check_max_batch_size, check_max_seq_len
+from .lab05 import check_quantize, check_quantize_int
+from .lab06 import check_batched_generate, check_batched_generate_until, check_make_batch
 from .lab07 import check_decode_step_bytes, check_step_time_floor
+from .lab08 import check_no_recompile, check_static_attention, check_static_cache
 from .lab09 import check_block_allocator, check_paged_gather, check_paged_generate
 
-__all__ = ["check_naive_generate", "check_cached_generate", "check_kv_cache", "check_attention",
-           "check_generate_with_cache", "check_kv_cache_bytes", "check_max_batch_size",
-           "check_quantize", "check_make_batch", "check_batched_generate",
-           "check_decode_step_bytes", "check_step_time_floor",
-           "check_block_allocator", "check_paged_gather", "check_paged_generate"]
+__all__ = [
+    "check_naive_generate",
+    "check_sample_generate",
+    "check_cached_generate",
+    "check_generate_until",
+    "check_kv_cache",
+    "check_attention",
+    "check_generate_with_cache",
+    "check_cache_bytes_prediction",
+    "check_kv_cache_bytes",
+    "check_max_batch_size",
+    "check_max_seq_len",
+    "check_quantize",
+    "check_quantize_int",
+    "check_make_batch",
+    "check_batched_generate",
+    "check_batched_generate_until",
+    "check_decode_step_bytes",
+    "check_step_time_floor",
+    "check_static_cache",
+    "check_static_attention",
+    "check_no_recompile",
+    "check_block_allocator",
+    "check_paged_gather",
+    "check_paged_generate",
+]

@@ -1,8 +1,14 @@
-"""Shared helpers for the graders: the grading model, fresh prompts, pass messages."""
+"""Shared pieces of the graders: the grading model, fresh prompts, messages, and the guards every
+generation grader uses (a private copy of the model, a record of every forward call, a refused
+``model.generate``, a learner's exception wrapped with the call that raised it)."""
 
 from __future__ import annotations
 
+import copy
 import functools
+import inspect
+from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 
@@ -13,9 +19,13 @@ GRADER_TEXTS = [
     "Now when the king heard these words, he rent his clothes, and",
     "Blessed",
     "For the wages of sin is death; but the gift",
-    "And it came to pass after these things, that the men of the city gathered together at the gate "
-    "and said unto him, Where are they which came in to thee this night?",
+    "And it came to pass after these things, that the men of the city gathered together at the "
+    "gate and said unto him, Where are they which came in to thee this night?",
 ]
+
+
+class GraderFailure(AssertionError):
+    """A grader's verdict (as opposed to an assert inside the learner's own code)."""
 
 
 @functools.lru_cache(maxsize=2)
@@ -32,22 +42,66 @@ def fresh_prompts(tok, lengths=None) -> list[torch.Tensor]:
     prompts = [tok(t, return_tensors="pt").input_ids for t in GRADER_TEXTS]
     if lengths is not None:
         # plus synthetic prompts of the given lengths (token ids spread over the vocabulary)
-        prompts += [torch.tensor([[(37 * i + 11 + n) % tok.vocab_size for i in range(n)]]) for n in lengths]
+        prompts += [synthetic(n, tok.vocab_size) for n in lengths]
     return prompts
+
+
+def synthetic(n: int, vocab: int, salt: int = 11) -> torch.Tensor:
+    """A ``[1, n]`` prompt of token ids spread over the vocabulary."""
+    return torch.tensor([[(37 * i + salt + n) % vocab for i in range(n)]])
+
+
+_REFERENCE: dict = {}
+
+
+def reference_greedy(model, prompt: torch.Tensor, n: int, use_cache: bool = True) -> torch.Tensor:
+    """transformers' greedy tokens for ``prompt``, memoised (graders ask for the same ones often)."""
+    from ..generate import hf_greedy
+
+    key = (id(model), tuple(prompt[0].tolist()), n, use_cache)
+    if key not in _REFERENCE:
+        _REFERENCE[key] = hf_greedy(model, prompt, n, use_cache=use_cache)
+    return _REFERENCE[key]
 
 
 def passed(check: str, detail: str) -> None:
     print(f"PASSED {check}: {detail}")
 
 
-def fail(check: str, message: str) -> AssertionError:
-    return AssertionError(f"{check} FAILED: {message}")
+def fail(check: str, message: str) -> GraderFailure:
+    return GraderFailure(f"{check} FAILED: {message}")
 
 
 def first_difference(a: torch.Tensor, b: torch.Tensor) -> int:
     """Index of the first differing element of two 1-D tensors of equal length (-1 if equal)."""
     diff = (a != b).nonzero()
     return int(diff[0]) if diff.numel() else -1
+
+
+def learner_call(check: str, what: str, fn, *args, **kwargs):
+    """Call the learner's ``fn``; any exception of theirs (or one raised inside transformers on their
+    behalf) becomes a failure that names the call. A stub's NotImplementedError passes through."""
+    try:
+        return fn(*args, **kwargs)
+    except (GraderFailure, NotImplementedError):
+        raise
+    except Exception as e:  # noqa: BLE001 - the learner's error, explained
+        raise fail(check, f"{what} raised {type(e).__name__}: {e}") from e
+
+
+def expect_value_error(check: str, what: str, fn, *args) -> None:
+    """The contract says ``ValueError`` for this input: any other outcome is a named failure."""
+    try:
+        fn(*args)
+    except ValueError:
+        return
+    except NotImplementedError:
+        raise
+    except Exception as e:  # noqa: BLE001
+        raise fail(check, f"{what}: the contract asks for a ValueError naming the problem; you "
+                          f"raised {type(e).__name__}: {e}") from None
+    raise fail(check, f"{what} must raise ValueError (the contract), but your function returned "
+                      "normally")
 
 
 def check_generated_ids(check: str, out, prompt: torch.Tensor, before: torch.Tensor, n: int) -> None:
@@ -64,12 +118,160 @@ def check_generated_ids(check: str, out, prompt: torch.Tensor, before: torch.Ten
         raise fail(check, f"return shape [1, T + max_new_tokens]; got {list(out.shape)}")
     L = out.shape[1]
     if L != T + n:
+        head = f"prompt of {T} tokens, max_new_tokens={n}: expected {T + n} tokens, got {L}"
+        if n == 0:
+            raise fail(check, head + ": max_new_tokens=0 asks for no new token, return the prompt "
+                                     "as it is")
         if L == n:
-            raise fail(check, f"prompt of {T} tokens, max_new_tokens={n}: you returned {L} tokens, only the "
-                              "new ones. Return the prompt followed by the new tokens.")
+            raise fail(check, head + ": only the new ones. Return the prompt followed by them")
         if L in (T + n - 1, T + n + 1):
-            raise fail(check, f"prompt of {T} tokens, max_new_tokens={n}: expected {T + n} tokens, got {L} "
-                              f"(you generated {L - T} new tokens: an off-by-one in your loop)")
-        raise fail(check, f"prompt of {T} tokens, max_new_tokens={n}: expected {T + n} tokens, got {L}")
+            raise fail(check, f"{head} (you generated {L - T} new tokens: an off-by-one in your "
+                              "loop)")
+        raise fail(check, head)
     if not torch.equal(out[:, :T].cpu(), prompt):
         raise fail(check, "the result must start with the prompt, unchanged")
+
+
+def stopped_early(check: str, out, T: int, n: int, eos: int) -> None:
+    """Name a generator that stops at the end-of-text id although the contract asks for exactly
+    ``n`` new tokens (the grader sets a grading-only eos id that the model really predicts)."""
+    if isinstance(out, torch.Tensor) and out.dim() == 2 and T < out.shape[1] < T + n \
+            and int(out[0, -1]) == eos:
+        raise fail(check, f"you stopped after {out.shape[1] - T} new tokens, at token {eos}, "
+                          "which this model's config calls end-of-text (eos_token_id). The "
+                          f"contract is exactly max_new_tokens={n} new tokens: do not stop at "
+                          "end-of-text")
+
+
+# ------------------------------------------------------------------------- the model a learner gets
+
+def _hooks(model) -> int:
+    return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) + len(m._backward_hooks)
+               for m in model.modules())
+
+
+def _config_state(model) -> dict:
+    cfg, gen = model.config, getattr(model, "generation_config", None)
+    return {"config.eos_token_id": cfg.eos_token_id, "config.pad_token_id": cfg.pad_token_id,
+            "config.use_cache": getattr(cfg, "use_cache", None),
+            "generation_config.eos_token_id": getattr(gen, "eos_token_id", None)}
+
+
+def model_changes(model, reference, state: dict) -> list[str]:
+    """What the learner changed on their copy ``model`` (``reference``: the untouched original;
+    ``state``: the copy's config/hooks/mode as handed over)."""
+    changes = []
+    p, r = next(model.parameters()), next(reference.parameters())
+    if p.dtype != r.dtype:
+        changes.append(f"its parameters were cast from {r.dtype} to {p.dtype} (a "
+                       ".half()/.to(dtype))")
+    if p.device != r.device:
+        changes.append(f"it was moved from {r.device} to {p.device}")
+    if not changes:
+        edited = [n for (n, a), b in zip(model.named_parameters(), reference.parameters())
+                  if not torch.equal(a, b)]
+        if edited:
+            changes.append(f"weights were edited in place ({', '.join(edited[:3])})")
+    if _hooks(model) != state["hooks"]:
+        changes.append(f"{_hooks(model) - state['hooks']} hook(s) were left registered on it")
+    if model.training != state["training"]:
+        changes.append("it was switched to training mode (model.train())")
+    for key, value in _config_state(model).items():
+        if state["config"][key] != value:
+            changes.append(f"{key} was changed from {state['config'][key]!r} to {value!r}")
+    return changes
+
+
+@dataclass
+class Call:
+    """One forward call of the learner's code, as bound to ``forward``'s signature."""
+
+    ids: torch.Tensor | None
+    mask: torch.Tensor | None
+    pos: torch.Tensor | None
+    cache: object
+    cache_len: int | None       # get_seq_length() before the call (None: no cache passed)
+    use_cache: object
+
+
+def _cache_len(cache):
+    return int(cache.get_seq_length()) if hasattr(cache, "get_seq_length") else None
+
+
+class Recorder:
+    """Replaces ``forward`` on the learner's copy (so ``model(...)`` and ``model.forward(...)`` are
+    both seen) and records each call; ``on_call(call, k)`` may raise at the first bad one."""
+
+    def __init__(self, model, on_call=None):
+        self.inner, self.on_call = model.forward, on_call
+        self.sig = inspect.signature(self.inner)
+        self.calls: list[Call] = []
+
+    def __call__(self, *args, **kwargs):
+        a = self.sig.bind_partial(*args, **kwargs).arguments
+        extra = a.get("kwargs", {})
+        cache = next((c for c in (a.get("cache"), extra.get("past_key_values"),
+                                  a.get("past_key_values")) if c is not None), None)
+        take = lambda t: None if t is None else t.detach().cpu().clone()  # noqa: E731
+        call = Call(take(a.get("input_ids")), take(a.get("attention_mask")),
+                    take(a.get("position_ids")),
+                    cache, _cache_len(cache), a.get("use_cache", extra.get("use_cache")))
+        self.calls.append(call)
+        if self.on_call is not None:
+            self.on_call(call, len(self.calls))
+        return self.inner(*args, **kwargs)
+
+
+def _refuse_generate(check):
+    def generate(*args, **kwargs):
+        raise fail(check, "do not call model.generate: the exercise is to write the generation "
+                          "loop yourself (prefill, then one forward call per step)")
+    return generate
+
+
+class LearnerModel:
+    """A private copy of ``model`` for the learner, made once per check: ``model.generate`` refused,
+    every forward call recorded, and after each case a failure that names anything the learner
+    changed on it. ``case(eos_token_id)`` sets a grading-only end-of-text id for one case."""
+
+    def __init__(self, check: str, model):
+        self.check, self.reference = check, model
+        self.model = copy.deepcopy(model)
+        self.record = Recorder(self.model)
+        self.model.forward = self.record
+        self.model.generate = _refuse_generate(check)
+        self.eos = model.config.eos_token_id
+
+    @contextmanager
+    def case(self, eos_token_id=None, on_call=None):
+        m = self.model
+        eos = self.eos if eos_token_id is None else eos_token_id
+        m.config.eos_token_id = m.generation_config.eos_token_id = eos
+        self.record.calls, self.record.on_call = [], on_call
+        state = {"hooks": _hooks(m), "training": m.training, "config": _config_state(m)}
+        yield m
+        changes = model_changes(m, self.reference, state)
+        if changes:
+            raise fail(self.check, "your function changed the model it was given: "
+                                   + "; ".join(changes)
+                                   + ". Leave the model as it is (work on your own tensors)")
+
+    @property
+    def calls(self):
+        return self.record.calls
+
+
+def grading_tokenizer(tok, eos_token_id=None):
+    """A private copy of the tokenizer, optionally with a grading-only end-of-text token (so that
+    the pad id and the eos id differ, and the eos id is one the model really predicts)."""
+    tok = copy.deepcopy(tok)
+    if eos_token_id is not None:
+        tok.eos_token = tok.convert_ids_to_tokens(eos_token_id)
+    return tok
+
+
+def run_cases(cases, grade) -> int:
+    """The one loop of every table-driven grader: ``grade(case)`` for each case, in order."""
+    for case in cases:
+        grade(case)
+    return len(cases)

@@ -1,13 +1,61 @@
-"""Grader for lab 1: ``naive_generate(model, input_ids, max_new_tokens) -> LongTensor [1, T + N]``."""
+"""Graders for lab 1.
+
+* ``check_naive_generate(naive_generate)``: ``naive_generate(model, input_ids, max_new_tokens) ->
+  LongTensor [1, T + N]`` against ``model.generate(do_sample=False, use_cache=False)``;
+* ``check_sample_generate(sample_generate)``: ``sample_generate(model, input_ids, max_new_tokens,
+  temperature, top_k)`` against transformers' sampler under the same seed.
+
+Each case runs the learner on a private copy of the grading model (``model.generate`` refused,
+every forward call recorded, any change to the model named).
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from ..generate import hf_greedy
-from ._common import check_generated_ids, fail, first_difference, fresh_prompts, grading_model, passed
+from ..memory import context_length
+from ._common import (LearnerModel, check_generated_ids, expect_value_error, fail, first_difference,
+                      fresh_prompts, grading_model, learner_call, passed, reference_greedy,
+                      run_cases, stopped_early, synthetic)
 
 NAME = "check_naive_generate"
+NAME_SAMPLE = "check_sample_generate"
+
+
+@dataclass
+class Case:
+    name: str
+    prompt: torch.Tensor
+    n: int
+    eos: int | None = None      # a grading-only end-of-text id (one the model really predicts)
+
+
+def grading_eos(want: torch.Tensor, T: int, at: int = 2) -> int:
+    """An id the greedy continuation emits as new token ``at + 1`` and nowhere before."""
+    seq = want[0].tolist()
+    for j in range(T + at, len(seq)):
+        if seq[j] not in seq[:j]:
+            return seq[j]
+    return seq[T + at]
+
+
+def single_prompt_cases(model, tok, sizes=(1, 4, 9)) -> list[Case]:
+    """The contract's edges: a 1-token prompt, max_new_tokens=0, the context filled exactly, the
+    pad/eos id inside a prompt, and a grading-only end-of-text id the model emits."""
+    prompts = fresh_prompts(tok)
+    ctx = context_length(model)
+    eos_prompt = torch.cat([prompts[1], torch.tensor([[tok.eos_token_id]]), prompts[3]], 1)
+    want = reference_greedy(model, prompts[2], 8)
+    texts = [Case(f"grader text {i}", p, n) for i, p in enumerate(prompts[:3]) for n in sizes[i % 2:]]
+    return texts + [
+        Case("a one-token prompt", synthetic(1, tok.vocab_size), 6),
+        Case("max_new_tokens=0", prompts[0], 0),
+        Case("a prompt that fills the context exactly", synthetic(ctx - 2, tok.vocab_size), 2),
+        Case("a prompt with the end-of-text/pad id inside it", eos_prompt, 5),
+        Case("a model whose end-of-text id comes up", prompts[2], 8,
+             grading_eos(want, prompts[2].shape[1]))]
 
 
 @torch.no_grad()
@@ -17,38 +65,160 @@ def diagnose_token(model, seq: torch.Tensor, pos: int) -> str:
     got = int(seq[0, pos])
     logits = model(prefix).logits[0].float()
     want = int(logits[-1].argmax())
-    if prefix.shape[1] >= 2 and int(logits[-2].argmax()) == got:
-        return ("it is the argmax of the SECOND-TO-LAST position's logits: the next token comes from "
-                "logits[:, -1, :], the last position")
-    if prefix.shape[1] >= 2 and int(logits[0].argmax()) == got:
-        return ("it is the argmax of the FIRST position's logits: the next token comes from "
-                "logits[:, -1, :], the last position")
-    if int(model(prefix[:, -1:]).logits[0, -1].argmax()) == got:
-        return ("it is what the model predicts when it sees ONLY THE LAST TOKEN: without a cache the model "
-                "must be fed the whole sequence so far (prompt + generated tokens) at every step")
+    gap = float(logits[-1, want] - logits[-1, got])
+    if gap < 1e-2:
+        return (f"its logit is only {gap:.1e} below the top one: a precision difference. Did you "
+                "run the model in another dtype (half precision, autocast) or change its weights?")
+    explanations = [
+        (prefix.shape[1] >= 2 and int(logits[-2].argmax()) == got,
+         "it is the argmax of the SECOND-TO-LAST position's logits: the next token comes from "
+         "logits[:, -1, :], the last position"),
+        (prefix.shape[1] >= 2 and int(logits[0].argmax()) == got,
+         "it is the argmax of the FIRST position's logits: the next token comes from "
+         "logits[:, -1, :], the last position"),
+        (int(model(prefix[:, -1:]).logits[0, -1].argmax()) == got,
+         "it is what the model predicts when it sees ONLY THE LAST TOKEN: without a cache the "
+         "model must be fed the whole sequence so far (prompt + generated tokens) at every step"),
+    ]
+    for holds, why in explanations:
+        if holds:
+            return why
     rank = int((logits[-1] > logits[-1, got]).sum())
     prob = float(torch.softmax(logits[-1], -1)[got])
-    return (f"the model's top choice there is token {want}, but you chose token {got} (rank {rank}, "
-            f"probability {prob:.3f}): greedy decoding takes the argmax, it does not sample")
+    return (f"the model's top choice there is token {want}, but you chose token {got} (rank "
+            f"{rank}, probability {prob:.3f}): greedy decoding takes the argmax, it does not "
+            "sample")
+
+
+def no_cache_rule(check: str, calls, T: int) -> None:
+    """Lab 1 forbids a cache: every call feeds the whole sequence so far and passes no cache."""
+    for k, c in enumerate(calls, start=1):
+        fed = None if c.ids is None else c.ids.shape[-1]
+        if c.cache is not None or c.use_cache is True:
+            raise fail(check, f"forward call #{k} passed a cache (cache=..., or use_cache=True): "
+                              "lab 1 forbids a cache. Feed the whole sequence so far with "
+                              "use_cache=False")
+        if fed is not None and fed < T + k - 1:
+            raise fail(check, f"forward call #{k} fed {fed} token(s), the sequence so far has "
+                              f"{T + k - 1}: the model sees only the last token(s). Without a "
+                              "cache it must be fed the whole sequence (prompt + generated "
+                              "tokens) at every step")
+
+
+def compare_tokens(check: str, model, out, want, T: int, n: int) -> None:
+    i = first_difference(out[0], want[0])
+    if i >= 0:
+        why = diagnose_token(model, out, i)
+        raise fail(check, f"prompt of {T} tokens, max_new_tokens={n}: new token #{i - T + 1} "
+                          f"(position {i}) is {int(out[0, i])}, the reference greedy token is "
+                          f"{int(want[0, i])}: {why}")
 
 
 def check_naive_generate(naive_generate) -> None:
-    """Grade a learner's naive greedy generator against ``model.generate(do_sample=False, use_cache=False)``."""
+    """Grade a learner's naive greedy generator against ``model.generate(do_sample=False,
+    use_cache=False)``, on a private copy of the model, with no cache allowed."""
     model, tok = grading_model()
-    cases = [(p, n) for p in fresh_prompts(tok, lengths=[1, 3]) for n in (1, 6, 17)]
-    for prompt, n in cases:
-        T = prompt.shape[1]
-        before = prompt.clone()
-        out = naive_generate(model, prompt, n)
-        check_generated_ids(NAME, out, prompt, before, n)
-        out = out.cpu()
-        want = hf_greedy(model, prompt, n, use_cache=False)
-        i = first_difference(out[0], want[0])
-        if i >= 0:
-            why = diagnose_token(model, out, i)
-            raise fail(NAME, f"prompt of {T} tokens, max_new_tokens={n}: new token #{i - T + 1} (position {i}) "
-                             f"is {int(out[0, i])}, the reference greedy token is {int(want[0, i])}: {why}")
-        if not torch.equal(naive_generate(model, prompt, n).cpu(), out):
-            raise fail(NAME, "two calls with the same prompt gave different tokens: greedy decoding is "
-                             "deterministic (argmax), it must not sample")
-    passed(NAME, f"{len(cases)} prompts/lengths match model.generate(do_sample=False, use_cache=False) token for token")
+    guard = LearnerModel(NAME, model)
+
+    def grade(case: Case) -> None:
+        T, n = case.prompt.shape[1], case.n
+        want = reference_greedy(model, case.prompt, n, use_cache=False)
+        before = case.prompt.clone()
+        with guard.case(case.eos) as mine:
+            out = learner_call(NAME, f"{case.name}: naive_generate(model, <[1, {T}] prompt>, {n})",
+                               naive_generate, mine, case.prompt, n)
+        if case.eos is not None:
+            stopped_early(NAME, out, T, n, case.eos)
+        check_generated_ids(NAME, out, case.prompt, before, n)
+        no_cache_rule(NAME, guard.calls, T)
+        compare_tokens(NAME, model, out.cpu(), want, T, n)
+
+    count = run_cases(single_prompt_cases(model, tok), grade)
+    passed(NAME, f"{count} cases (1-token prompt, 0 new tokens, a full context, eos inside the "
+                 "prompt, an eos id that comes up) match model.generate(do_sample=False, "
+                 "use_cache=False)")
+
+
+# --------------------------------------------------------------------------------------- sampling
+
+@torch.no_grad()
+def simulate_sampling(model, prompt, n, seed, temperature, top_k, scale="divide"):
+    """The sampler the contract describes (and its usual mistakes), one multinomial draw per step."""
+    torch.manual_seed(seed)
+    ids = prompt
+    for _ in range(n):
+        logits = model(ids, use_cache=False).logits[:, -1, :].float()
+        logits = {"divide": logits / temperature, "multiply": logits * temperature,
+                  "none": logits}[scale]
+        if top_k:
+            kth = torch.topk(logits, top_k).values[:, -1:]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        ids = torch.cat([ids, torch.multinomial(torch.softmax(logits, -1), 1)], 1)
+    return ids
+
+
+@torch.no_grad()
+def hf_sample(model, prompt, n, seed, temperature, top_k):
+    """transformers' own sampler (temperature, then top-k), seeded like the learner's run."""
+    torch.manual_seed(seed)
+    return model.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=True,
+                          temperature=temperature, top_k=top_k or 0, top_p=1.0, max_new_tokens=n,
+                          eos_token_id=None, pad_token_id=model.config.eos_token_id, use_cache=False)
+
+
+_SAMPLING_MISTAKES = [
+    (dict(scale="multiply"), "you MULTIPLY the logits by the temperature; divide them (logits / "
+                             "T): a low temperature must sharpen the distribution"),
+    (dict(scale="none"), "the temperature is ignored: divide the logits by it before the softmax"),
+    (dict(top_k=None), "top_k is ignored: keep only the top_k largest logits (set the others to "
+                       "-inf)"),
+]
+
+
+def _diagnose_sampling(model, out, case) -> str:
+    prompt, n, seed, t, k = case
+    greedy = reference_greedy(model, prompt, n, use_cache=False)
+    if torch.equal(out, greedy):
+        return ("these are the GREEDY tokens: sample with torch.multinomial(probs, 1), do not take "
+                "argmax")
+    for change, message in _SAMPLING_MISTAKES:
+        args = dict(temperature=t, top_k=k, scale="divide") | change
+        if torch.equal(simulate_sampling(model, prompt, n, seed, **args), out):
+            return message
+    return ("they differ from transformers' sampler under the same seed: one "
+            "torch.multinomial(probs, 1) per step on the global generator, probs = "
+            "softmax(top-k-filtered logits / temperature), and no other random draw")
+
+
+def check_sample_generate(sample_generate) -> None:
+    """Grade ``sample_generate(model, input_ids, max_new_tokens, temperature, top_k)`` against
+    ``model.generate(do_sample=True, ...)`` run after the same ``torch.manual_seed``."""
+    model, tok = grading_model()
+    prompts = fresh_prompts(tok)
+    guard = LearnerModel(NAME_SAMPLE, model)
+    # the first case samples hot (1.4, no top-k): there a greedy or mis-seeded sampler shows at once
+    cases = [(prompts[3], 10, 12, 1.4, None), (prompts[0], 12, 11, 0.7, 20),
+             (prompts[2], 8, 13, 1.0, 5),
+             (prompts[1], 6, 14, 0.3, 1), (synthetic(1, tok.vocab_size), 5, 15, 2.0, 50)]
+
+    def grade(case) -> None:
+        prompt, n, seed, t, k = case
+        want = hf_sample(model, prompt, n, seed, t, k)
+        what = f"sample_generate(model, <[1, {prompt.shape[1]}]>, {n}, temperature={t}, top_k={k})"
+        with guard.case() as mine:
+            torch.manual_seed(seed)
+            out = learner_call(NAME_SAMPLE, what, sample_generate, mine, prompt, n, t, k)
+        check_generated_ids(NAME_SAMPLE, out, prompt, prompt.clone(), n)
+        if not torch.equal(out.cpu(), want):
+            raise fail(NAME_SAMPLE, f"{what} after torch.manual_seed({seed}): "
+                                    + _diagnose_sampling(model, out.cpu(), case))
+
+    count = run_cases(cases, grade)
+    for bad in (0, -1.0):
+        with guard.case() as mine:
+            expect_value_error(NAME_SAMPLE, f"temperature={bad}", sample_generate, mine,
+                               prompts[0], 2,
+                               bad, None)
+    passed(NAME_SAMPLE, f"{count} seeded runs (temperatures 0.3..2, top_k 1..50 or none) equal "
+                        "transformers' sampler token for token; temperature <= 0 rejected")
+

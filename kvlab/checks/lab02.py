@@ -3,7 +3,7 @@
 Two things are graded. The tokens: they must equal transformers' own greedy ``model.generate`` on
 fresh prompts. And the cache: right tokens can come from a generator that never uses the cache
 (the naive one of lab 1), so the grader watches every forward call the learner makes, through a
-forward pre-hook on the grading model, and requires the shape of a real cached loop:
+wrapper around ``forward`` on a private copy of the grading model, and requires a real cached loop:
 
 * call 1 is the prefill: the whole prompt, ``T`` tokens, with no cache or an empty one;
 * every later call feeds exactly one new token, with a cache that already holds every earlier
@@ -16,152 +16,163 @@ The hook raises at the first call that breaks a rule, with a message that names 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from ..generate import hf_greedy
-from ._common import check_generated_ids, fail, first_difference, fresh_prompts, grading_model, passed
-from .lab01 import diagnose_token
+from ._common import (Call, LearnerModel, check_generated_ids, expect_value_error, fail,
+                      fresh_prompts, grading_model, learner_call, passed, reference_greedy, run_cases,
+                      stopped_early)
+from .lab01 import Case, compare_tokens, grading_eos, single_prompt_cases
 
 NAME = "check_cached_generate"
+NAME_UNTIL = "check_generate_until"
 
-# Names under which a cache can reach GPT2LMHeadModel.forward: the current one and the deprecated
-# one (transformers < 5.24; still accepted, with a FutureWarning, until 5.40).
-_CACHE_KWARGS = ("cache", "past_key_values")
-
-
-@dataclass
-class _Call:
-    """What one forward call of the learner's loop looked like, seen from a pre-hook."""
-
-    n_new: int              # tokens in input_ids (the positions this call computes)
-    cache: object           # the cache object passed in, or None
-    cache_len: int | None   # its get_seq_length() before the call (None: no cache passed)
-    use_cache: object       # the use_cache argument as passed (None: not passed)
-
-
-def _inspect_call(args, kwargs) -> _Call:
-    ids = kwargs.get("input_ids", args[0] if args else None)
-    if ids is None:
-        raise fail(NAME, "call the model with token ids, model(input_ids, cache=...), not inputs_embeds")
-    cache = next((kwargs[k] for k in _CACHE_KWARGS if kwargs.get(k) is not None), None)
-    if cache is None and len(args) > 1:          # model(ids, cache) positionally
-        cache = args[1]
-    cache_len = None
-    if cache is not None:
-        if not hasattr(cache, "get_seq_length"):
-            raise fail(NAME, f"the cache you passed is a {type(cache).__name__}, not a transformers Cache: "
-                             "create one with DynamicCache(config=model.config) (transformers >= 5 no longer "
-                             "takes tuples of tensors), or reuse the .cache of the previous output")
-        cache_len = int(cache.get_seq_length())
-    return _Call(int(ids.shape[-1]), cache, cache_len, kwargs.get("use_cache"))
-
-
-class _Watch:
-    """Checks each forward call against the cached-loop contract as it happens (raising at the first
-    violation, before a wrong loop can run past the model's context)."""
-
-    def __init__(self, model, T: int, n: int):
-        self.model, self.T, self.n = model, T, n
-        self.calls: list[_Call] = []
-
-    def __enter__(self):
-        self.handle = self.model.register_forward_pre_hook(self._hook, with_kwargs=True)
-        return self
-
-    def __exit__(self, *exc):
-        self.handle.remove()
-        return False
-
-    def _hook(self, module, args, kwargs):
-        call = _inspect_call(args, kwargs)
-        self.calls.append(call)
-        self._check(call, len(self.calls))
-        return None
-
-    def _check(self, c: _Call, k: int) -> None:
-        T, n = self.T, self.n
-        where = f"prompt of {T} tokens, max_new_tokens={n}, forward call #{k}"
-        if c.use_cache is False:
-            raise fail(NAME, f"{where} passed use_cache=False: that is the naive generator of lab 1, "
-                             "running without a cache. Pass use_cache=True and a cache object.")
-        if k > n:
-            raise fail(NAME, f"{where}: max_new_tokens={n} takes exactly {n} forward call(s) (the prefill's "
-                             "last logits give the first new token, then one call per further token), but "
-                             f"this is call #{k}: an off-by-one in your loop, or a forward whose logits you "
-                             "never use")
-        if k == 1:
-            if c.cache_len:
-                raise fail(NAME, f"{where}: the first call got a cache that already holds {c.cache_len} "
-                                 "tokens. Start every generation from a new, empty cache; a cache left over "
-                                 "from another prompt makes the model attend to that prompt's keys.")
-            if c.n_new != T:
-                if c.n_new == 1 and T > 1:
-                    raise fail(NAME, f"{where} fed 1 token to an empty cache: there is no prefill. The "
-                                     "model then conditions on the last prompt token only (the bug of "
-                                     "article A, which feeds generated[:, -1:] from the first step). "
-                                     "Call the model once on the WHOLE prompt first, then one token a step.")
-                raise fail(NAME, f"{where} fed {c.n_new} tokens; the prefill must process the whole prompt, "
-                                 f"all {T} tokens, in one call")
-            return
-        pos = T + k - 2                     # position of the token this call feeds
-        if c.cache is None:
-            raise fail(NAME, f"{where} passed no cache (fed {c.n_new} tokens): this generator does not use "
-                             "a cache at all, it recomputes the sequence like the naive one. Keep the cache "
-                             "from the prefill (or out.cache) and pass it back with cache=... at every step.")
-        if c.cache_len == 0:
-            raise fail(NAME, f"{where} got an EMPTY cache: you create a fresh cache at every step, so "
-                             f"the new token sees nothing before it. Create the cache once, before the loop, "
-                             "and pass the same object at every step (it grows in place).")
-        if c.n_new > 1 and c.cache_len is not None and c.cache_len >= pos:
-            raise fail(NAME, f"{where} fed {c.n_new} tokens together with a cache that already holds "
-                             f"{c.cache_len}: you feed the whole sequence back in alongside the cache (the "
-                             "bug of article B). The cached keys and the re-fed ones are duplicated and the "
-                             "re-fed tokens get positions after the cache's. Feed only the newest token.")
-        if c.n_new != 1:
-            raise fail(NAME, f"{where} fed {c.n_new} tokens; after the prefill every call feeds exactly one "
-                             "token, the one generated last (shape [1, 1])")
-        if c.cache_len != pos:
-            raise fail(NAME, f"{where} fed the token at position {pos} with a cache holding {c.cache_len} "
-                             f"tokens; it must hold exactly the {pos} tokens before it. Pass the same cache "
-                             "object through the whole loop, and do not crop or copy it between steps.")
+# The rules of a cached loop, one row per named mistake: (applies to, test, message). ``k`` is the
+# call's number, ``T`` the prompt length, ``n`` max_new_tokens, ``pos`` the position of the token a
+# decode call feeds (T + k - 2). The first row whose test holds names the mistake.
+_RULES = [
+    ("any", lambda c, k, T, n, pos: c.ids is None,
+     "call the model with token ids, model(input_ids, cache=...), not inputs_embeds"),
+    ("any", lambda c, k, T, n, pos: c.cache is not None and c.cache_len is None,
+     "the cache you passed is not a transformers Cache: create one with DynamicCache(config="
+     "model.config) (transformers >= 5 no longer takes tuples of tensors), or reuse out.cache"),
+    ("any", lambda c, k, T, n, pos: c.use_cache is False,
+     "passed use_cache=False: that is the naive generator of lab 1, running without a cache. Pass "
+     "use_cache=True and a cache object"),
+    ("any", lambda c, k, T, n, pos: k > max(n, 1),
+     "max_new_tokens={n} takes exactly {n} forward call(s) (the prefill's last logits give the "
+     "first new token, then one call per further token): an off-by-one in your loop, or a forward "
+     "whose logits you never use"),
+    ("prefill", lambda c, k, T, n, pos: bool(c.cache_len),
+     "the first call got a cache that already holds {c.cache_len} tokens. Start every generation "
+     "from a new, empty cache; a cache left over from another prompt makes the model attend to "
+     "its keys"),
+    ("prefill", lambda c, k, T, n, pos: c.ids.shape[-1] == 1 and T > 1,
+     "fed 1 token to an empty cache: there is no prefill. The model then conditions on the last "
+     "prompt token only (the bug of article A). Call the model once on the WHOLE prompt first"),
+    ("prefill", lambda c, k, T, n, pos: c.ids.shape[-1] != T,
+     "fed {fed} tokens; the prefill must process the whole prompt, all {T}, in one call"),
+    ("decode", lambda c, k, T, n, pos: c.cache is None,
+     "passed no cache (fed {fed} tokens): this generator recomputes the sequence like the "
+     "naive one. Keep the cache from the prefill and pass it back with cache=... at every step"),
+    ("decode", lambda c, k, T, n, pos: c.cache_len == 0,
+     "got an EMPTY cache: you create a fresh cache at every step, so the new token sees nothing "
+     "before it. Create the cache once, before the loop, and pass the same object at every step"),
+    ("decode", lambda c, k, T, n, pos: c.ids.shape[-1] > 1 and c.cache_len >= pos,
+     "fed {fed} tokens with a cache that already holds {c.cache_len}: you feed the whole "
+     "sequence back in alongside the cache (the bug of article B). Feed only the newest token"),
+    ("decode", lambda c, k, T, n, pos: c.ids.shape[-1] != 1,
+     "fed {fed} tokens; after the prefill every call feeds exactly one token, the one "
+     "generated last (shape [1, 1])"),
+    ("decode", lambda c, k, T, n, pos: c.cache_len != pos,
+     "fed the token at position {pos} with a cache holding {c.cache_len} tokens; it must hold "
+     "exactly the {pos} tokens before it. Pass the same cache through the loop; do not crop or "
+     "copy it"),
+]
 
 
-def _check_shape(out, prompt, before, n) -> None:
-    check_generated_ids(NAME, out, prompt, before, n)
+def watch(T: int, n: int):
+    """An ``on_call`` for the recorder that raises at the first call breaking a rule (before a wrong
+    loop can run past the model's context)."""
+    def on_call(c: Call, k: int) -> None:
+        kind, pos = ("prefill" if k == 1 else "decode"), T + k - 2
+        for applies, broken, message in _RULES:
+            if applies in ("any", kind) and broken(c, k, T, n, pos):
+                where = f"prompt of {T} tokens, max_new_tokens={n}, forward call #{k}"
+                fmt = dict(c=c, k=k, T=T, n=n, pos=pos, fed=c.ids.shape[-1])
+                raise fail(NAME, f"{where}: " + message.format(**fmt))
+    return on_call
 
 
 def check_cached_generate(cached_generate) -> None:
     """Grade a learner's cached greedy generator: tokens equal to ``model.generate`` (greedy), and a
     real cached loop (one prefill over the prompt, then one token per call on a cache that holds all
-    earlier tokens, ``max_new_tokens`` calls in all)."""
+    earlier tokens, ``max_new_tokens`` calls in all), on a private copy of the model."""
     model, tok = grading_model()
-    cases = [(p, n) for p in fresh_prompts(tok, lengths=[1, 3]) for n in (1, 6, 17)]
-    for prompt, n in cases:
-        T = prompt.shape[1]
-        want = hf_greedy(model, prompt, n)        # the reference runs outside the watch
-        before = prompt.clone()
-        with _Watch(model, T, n) as watch:
-            out = cached_generate(model, prompt, n)
-        _check_shape(out, prompt, before, n)
-        if not watch.calls:
-            raise fail(NAME, "the grader saw no forward call on the model it passed you: call the model "
-                             "argument itself as model(...) (not model.forward, not another model)")
-        if len(watch.calls) < n:
-            raise fail(NAME, f"prompt of {T} tokens, max_new_tokens={n}: that takes {n} forward call(s), "
-                             f"you made {len(watch.calls)}; where do the other tokens come from?")
-        out = out.cpu()
-        i = first_difference(out[0], want[0])
-        if i >= 0:
-            why = diagnose_token(model, out, i)
-            raise fail(NAME, f"prompt of {T} tokens, max_new_tokens={n}: new token #{i - T + 1} (position {i}) "
-                             f"is {int(out[0, i])}, the reference greedy token is {int(want[0, i])}: {why}")
-        with _Watch(model, T, n):
-            again = cached_generate(model, prompt, n).cpu()
-        if not torch.equal(again, out):
-            raise fail(NAME, "two calls with the same prompt gave different tokens: greedy decoding is "
-                             "deterministic (argmax), it must not sample; and each call needs its own new "
-                             "cache")
-    passed(NAME, f"{len(cases)} prompts/lengths match model.generate(do_sample=False) token for token, "
-                 "with one prefill and then one token per forward call on a growing cache")
+    guard = LearnerModel(NAME, model)
+
+    def grade(case: Case) -> None:
+        T, n = case.prompt.shape[1], case.n
+        want = reference_greedy(model, case.prompt, n)
+        before = case.prompt.clone()
+        with guard.case(case.eos, on_call=watch(T, n)) as mine:
+            out = learner_call(NAME, f"{case.name}: cached_generate(model, <[1, {T}] prompt>, {n})",
+                               cached_generate, mine, case.prompt, n)
+        if case.eos is not None:
+            stopped_early(NAME, out, T, n, case.eos)
+        check_generated_ids(NAME, out, case.prompt, before, n)
+        if len(guard.calls) < n:
+            raise fail(NAME, f"prompt of {T} tokens, max_new_tokens={n}: that takes {n} forward "
+                             f"call(s), you made {len(guard.calls)}; where do the other tokens "
+                             "come from?")
+        compare_tokens(NAME, model, out.cpu(), want, T, n)
+
+    count = run_cases(single_prompt_cases(model, tok), grade)
+    passed(NAME, f"{count} cases (1-token prompt, 0 new tokens, a full context, eos inside the "
+                 "prompt, an eos id that comes up) match model.generate(do_sample=False), with "
+                 "one prefill and then one token per forward call on a growing cache")
+
+
+# ------------------------------------------------------------------------------ stop at end-of-text
+
+@torch.no_grad()
+def hf_until(model, prompt, n, eos):
+    """transformers' greedy generate, stopping after the end-of-text id (kept in the output)."""
+    if n == 0:
+        return prompt
+    return model.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False,
+                          max_new_tokens=n, eos_token_id=eos, pad_token_id=eos, use_cache=True)
+
+
+def _until_cases(model, tok):
+    p = fresh_prompts(tok)
+    greedy = reference_greedy(model, p[2], 10)
+    T = p[2].shape[1]
+    first, later, never = int(greedy[0, T]), grading_eos(greedy, T, 3), tok.vocab_size - 1
+    in_prompt = int(p[0][0, 2])
+    return [("the first new token is end-of-text", p[2], 10, first),
+            ("end-of-text comes up as new token #4", p[2], 10, later),
+            ("end-of-text never comes up", p[1], 8, never),
+            ("the end-of-text id also appears inside the prompt", p[0], 6, in_prompt),
+            ("max_new_tokens=0", p[3], 0, first)]
+
+
+def check_generate_until(generate_until) -> None:
+    """Grade ``generate_until(model, input_ids, max_new_tokens, eos_token_id)``: greedy with the
+    cache, stopping right after the first generated end-of-text token (which is kept)."""
+    model, tok = grading_model()
+    guard = LearnerModel(NAME_UNTIL, model)
+
+    def grade(case) -> None:
+        name, prompt, n, eos = case
+        want = hf_until(model, prompt, n, eos)
+        what = f"{name}: generate_until(model, <[1, {prompt.shape[1]}]>, {n}, eos_token_id={eos})"
+        with guard.case() as mine:
+            out = learner_call(NAME_UNTIL, what, generate_until, mine, prompt, n, eos)
+        if not isinstance(out, torch.Tensor) or out.dim() != 2 or out.shape[0] != 1:
+            raise fail(NAME_UNTIL, f"{what}: return a LongTensor [1, T + k], got "
+                                   f"{getattr(out, 'shape', type(out).__name__)}")
+        got, L = out.cpu(), want.shape[1]
+        if got.shape[1] > L and torch.equal(got[:, :L], want):
+            raise fail(NAME_UNTIL, f"{what}: you went on after the end-of-text token (new token "
+                                   f"#{L - prompt.shape[1]}): stop right after it, and keep it")
+        if got.shape[1] == L - 1 and torch.equal(got, want[:, :-1]):
+            raise fail(NAME_UNTIL, f"{what}: you dropped the end-of-text token: keep it as the "
+                                   "last one")
+        if got.shape[1] < L and int(eos) in prompt[0].tolist():
+            raise fail(NAME_UNTIL, f"{what}: you stopped early; the end-of-text id is in the "
+                                   "PROMPT: only a generated end-of-text ends the text")
+        if not torch.equal(got, want):
+            raise fail(NAME_UNTIL, f"{what}: expected {want[0, prompt.shape[1]:].tolist()}, got "
+                                   f"{got[0, prompt.shape[1]:].tolist()}")
+        if len(guard.calls) > max(L - prompt.shape[1], 0):
+            raise fail(NAME_UNTIL, f"{what}: {len(guard.calls)} forward calls for "
+                                   f"{L - prompt.shape[1]} new tokens: after the end-of-text "
+                                   "token, or for the last token, no further forward call is "
+                                   "needed")
+
+    count = run_cases(_until_cases(model, tok), grade)
+    with guard.case() as mine:
+        expect_value_error(NAME_UNTIL, "max_new_tokens=-1", generate_until, mine,
+                           fresh_prompts(tok)[0], -1, 0)
+    passed(NAME_UNTIL, f"{count} cases (end-of-text first, later, never, inside the prompt, 0 "
+                       "tokens) equal transformers' generate with that eos_token_id")

@@ -25,44 +25,53 @@ NAME = "check_kv_cache_bytes"
 NAME_BATCH = "check_max_batch_size"
 
 
+def _llama(hidden, layers, heads, kv, **kw):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+                       num_key_value_heads=kv, **kw)
+
+
 def _tiny_configs():
     """Small random-model configs, with every factor different from 2 where it matters, so that each
     classic mistake changes the answer by a factor no other mistake produces."""
-    from transformers import GPT2Config, LlamaConfig
+    from transformers import GPT2Config, MixtralConfig, Qwen2Config
 
-    common = dict(vocab_size=64, intermediate_size=48)
+    small = dict(vocab_size=64, intermediate_size=48)
+    gqa = dict(num_hidden_layers=2, num_key_value_heads=1, **small)
     return [
         ("GPT-2 (n_layer/n_head/n_embd names, multi-head)",
-         GPT2Config(vocab_size=64, n_embd=48, n_layer=3, n_head=4, n_positions=64, bos_token_id=0, eos_token_id=0)),
-        ("Llama, grouped-query (6 query heads, 2 key/value heads)",
-         LlamaConfig(hidden_size=48, num_hidden_layers=3, num_attention_heads=6, num_key_value_heads=2, **common)),
-        ("Llama, multi-query (4 query heads, 1 key/value head)",
-         LlamaConfig(hidden_size=32, num_hidden_layers=5, num_attention_heads=4, num_key_value_heads=1, **common)),
+         GPT2Config(vocab_size=64, n_embd=48, n_layer=3, n_head=4, n_positions=64, bos_token_id=0,
+                    eos_token_id=0)),
+        ("Llama, grouped-query (6 query heads, 2 key/value heads)", _llama(48, 3, 6, 2, **small)),
+        ("Llama, multi-query (4 query heads, 1 key/value head)", _llama(32, 5, 4, 1, **small)),
         ("Llama with an explicit head_dim (24, while hidden_size / heads = 8)",
-         LlamaConfig(hidden_size=32, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4,
-                     head_dim=24, **common)),
+         _llama(32, 3, 4, 4, head_dim=24, **small)),
+        ("Qwen2-style grouped-query config with no head_dim attribute at all",
+         Qwen2Config(hidden_size=40, num_attention_heads=5, **gqa)),
+        ("Mixtral-style config whose head_dim is None",
+         MixtralConfig(hidden_size=48, num_attention_heads=4, num_local_experts=2,
+                       num_experts_per_tok=1, head_dim=None, **gqa)),
     ]
 
 
 def _hand_worked():
     """Real models' shapes, with sizes worked out by hand (literal numbers, not our own formula)."""
-    from transformers import Gemma2Config, GPT2Config, LlamaConfig
+    from transformers import Gemma2Config, GPT2Config
 
     return [
         # 2 x 12 layers x 12 heads x 64 x 1024 tokens x 1 x 4 bytes
         ("GPT-2 small, 1,024 tokens, fp32", GPT2Config(), 1024, 1, torch.float32, 75_497_472),
-        # article B's model: 2 x 32 layers x 32 heads x 64 x 2048 x 1 x 2 bytes = 512 MiB (16 MiB per layer)
+        # article B's model: 2 x 32 layers x 32 heads x 64 x 2048 x 1 x 2 bytes = 512 MiB
         ("a 32-layer model with 32 heads of 64 (article B's example), 2,048 tokens, fp16",
-         LlamaConfig(hidden_size=2048, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32),
-         2048, 1, torch.float16, 536_870_912),
+         _llama(2048, 32, 32, 32), 2048, 1, torch.float16, 536_870_912),
         # Llama-3.1-8B: 2 x 32 x 8 kv heads x 128 x 8192 x 4 x 2 bytes = 4 GiB
         ("Llama-3.1-8B's shape (32 layers, 32 query / 8 key-value heads), 8,192 tokens x 4, bf16",
-         LlamaConfig(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8),
-         8192, 4, torch.bfloat16, 4_294_967_296),
+         _llama(4096, 32, 32, 8), 8192, 4, torch.bfloat16, 4_294_967_296),
         # Gemma-2-9B: 2 x 42 x 8 x 256 (explicit; hidden 3584 / 16 heads = 224) x 2048 x 1 x 1 byte
-        ("Gemma-2-9B's shape (head_dim 256 set explicitly, hidden_size/heads = 224), 2,048 tokens, int8",
-         Gemma2Config(hidden_size=3584, num_hidden_layers=42, num_attention_heads=16, num_key_value_heads=8,
-                      head_dim=256), 2048, 1, torch.int8, 352_321_536),
+        ("Gemma-2-9B's shape (head_dim 256 set explicitly, hidden_size/heads = 224), 2,048 tokens, "
+         "int8", Gemma2Config(hidden_size=3584, num_hidden_layers=42, num_attention_heads=16,
+                              num_key_value_heads=8, head_dim=256), 2048, 1, torch.int8, 352_321_536),
         ("GPT-2 small, 0 tokens", GPT2Config(), 0, 3, torch.float16, 0),
     ]
 
@@ -82,118 +91,170 @@ _MISTAKES = [
     ("no factor 2", lambda want, s, b: want // 2,
      "you count only one of the two tensors: every layer caches keys AND values, so multiply by 2"),
     ("no layer count", lambda want, s, b: want // s[0],
-     "your answer is the size of ONE layer's cache (article B's formula makes this mistake): every one of "
-     "the num_hidden_layers (n_layer) layers keeps its own keys and values, so multiply by the layer count"),
+     "your answer is the size of ONE layer's cache (article B's formula makes this mistake): "
+     "every one of the num_hidden_layers (n_layer) layers keeps its own keys and values, so "
+     "multiply by the layer count"),
     ("query heads", lambda want, s, b: want // s[2] * s[1],
-     "you used the number of query heads (num_attention_heads) where the key/value heads belong: with "
-     "grouped-query or multi-query attention the cache holds num_key_value_heads heads "
+     "you used the number of query heads (num_attention_heads) where the key/value heads belong: "
+     "with grouped-query or multi-query attention the cache holds num_key_value_heads heads "
      "(getattr(config, 'num_key_value_heads', num_attention_heads))"),
     ("fixed 2 bytes", lambda want, s, b: want // b * 2,
-     "you assumed 2 bytes per element; the bytes per element depend on the dtype (4 for float32, 2 for "
-     "float16/bfloat16, 1 for int8): use dtype.itemsize"),
+     "you assumed 2 bytes per element; the bytes per element depend on the dtype (4 for float32, "
+     "2 for float16/bfloat16, 1 for int8): use dtype.itemsize"),
     ("hidden/heads", lambda want, s, b: want // s[3] * s[4],
      "you computed head_dim as hidden_size / num_attention_heads, but this config sets head_dim "
      "explicitly, and the model uses that value: read config.head_dim when it is set"),
 ]
 
 
+def _itemsize(dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
 def _call(fn, name, args):
     try:
         return fn(*args)
     except Exception as e:  # noqa: BLE001 - the learner's exception becomes a pointed message
-        what = ", ".join(f"{a!r}" if not hasattr(a, "model_type") else f"<{type(a).__name__}>" for a in args)
+        what = ", ".join(f"<{type(a).__name__}>" if hasattr(a, "model_type") else f"{a!r}"
+                         for a in args)
         hint = ""
         if "finfo" in str(e) or isinstance(e, TypeError) and "int8" in what:
-            hint = (" (torch.finfo only knows floating-point types; dtype.itemsize gives the bytes per "
-                    "element of any dtype, int8 included)")
-        raise fail(name, f"your function raised {type(e).__name__}: {e} when called with ({what}){hint}") from e
+            hint = (" (torch.finfo only knows floating-point types; dtype.itemsize gives the "
+                    "bytes per element of any dtype, int8 included)")
+        raise fail(name, f"your function raised {type(e).__name__}: {e} when called with "
+                         f"({what}){hint}") from e
 
 
 def _as_int(value, name, what):
-    if isinstance(value, bool) or isinstance(value, float) or isinstance(value, torch.Tensor):
+    if isinstance(value, (bool, float, torch.Tensor)):
         raise fail(name, f"{what}: return a Python int, got {type(value).__name__} {value!r} "
-                         "(bytes and batch sizes are whole numbers: use integer arithmetic, // not /)")
+                         "(bytes and batch sizes are whole numbers: use integer arithmetic, // "
+                         "not /)")
     try:
         return operator.index(value)
     except TypeError:
         raise fail(name, f"{what}: return an int, got {type(value).__name__}") from None
 
 
-def check_kv_cache_bytes(kv_cache_bytes) -> None:
-    """Grade ``kv_cache_bytes(config, seq_len, batch_size, dtype) -> int`` against measured and hand-worked sizes."""
+def _bytes_cases():
+    """(label, config, seq_len, batch, dtype, bytes, how we know): measured, then hand-worked."""
     from ..measure import fill_dynamic_cache, measure_config, measured_cache_bytes
 
-    cases = []  # (label, config, seq_len, batch, dtype, want, how we know)
-    for (label, cfg), (T, B, dt) in zip(_tiny_configs(), [(7, 3, torch.float32), (5, 2, torch.float16),
-                                                          (9, 1, torch.bfloat16), (6, 2, torch.float32)]):
-        cases.append((label, cfg, T, B, dt, measure_config(cfg, T, B, dt), "measured from a real DynamicCache"))
-    model, _ = grading_model()       # the bundled, trained model: a real GPT-2 forward pass fills the cache
+    sizes = [(7, 3, torch.float32), (5, 2, torch.float16), (9, 1, torch.bfloat16),
+             (6, 2, torch.float32), (4, 2, torch.float32), (3, 1, torch.bfloat16)]
+    real = "measured from a real DynamicCache"
+    cases = [(label, cfg, T, B, dt, measure_config(cfg, T, B, dt), real)
+             for (label, cfg), (T, B, dt) in zip(_tiny_configs(), sizes)]
+    model, _ = grading_model()       # the bundled, trained model: a real GPT-2 forward pass
     cases.append(("the bundled kvlab-tiny model", model.config, 21, 2, torch.float32,
-                  measured_cache_bytes(fill_dynamic_cache(model, 21, 2, decode_steps=3)),
-                  "measured from a real DynamicCache"))
-    for label, cfg, T, B, dt, want in _hand_worked():
-        cases.append((label, cfg, T, B, dt, want, "worked out by hand"))
+                  measured_cache_bytes(fill_dynamic_cache(model, 21, 2, decode_steps=3)), real))
+    return cases + [case + ("worked out by hand",) for case in _hand_worked()]
 
-    got_all = []
-    for label, cfg, T, B, dt, want, how in cases:
-        got = _call(kv_cache_bytes, NAME, (cfg, T, B, dt))
-        got_all.append(_as_int(got, NAME, label))
 
-    for i, (label, cfg, T, B, dt, want, how) in enumerate(cases):
-        got = got_all[i]
-        if got == want:
-            continue
-        # Which classic mistake explains this case AND every other case?
-        shape_b = [(_shape(c), torch.empty((), dtype=d).element_size(), w) for _, c, _, _, d, w, _ in cases]
-        for key, wrong, message in _MISTAKES:
-            if wrong(want, *shape_b[i][:2]) == got and all(
-                    wrong(w, s, b) == g for (s, b, w), g in zip(shape_b, got_all)):
-                raise fail(NAME, f"{label}, seq_len={T}, batch_size={B}, {dt}: expected {want:,} bytes "
-                                 f"({how}), got {got:,}: {message}")
-        layers, heads, kv, head_dim, _ = _shape(cfg)
-        ratio = got / want if want else float("inf")
-        raise fail(NAME, f"{label}, seq_len={T}, batch_size={B}, {dt}: expected {want:,} bytes ({how}) = 2 x "
-                         f"{layers} layers x {kv} key/value heads x head_dim {head_dim} x {T} tokens x batch {B} "
-                         f"x {torch.empty((), dtype=dt).element_size()} bytes; you returned {got:,} "
-                         f"({ratio:.4g} times that). Check each factor.")
-    passed(NAME, f"{len(cases)} configs (GPT-2, GQA, MQA, explicit head_dim; fp32/fp16/bf16/int8) match the "
-                 "bytes held by real DynamicCache tensors and hand-worked sizes")
+def _explain_bytes(cases, got_all, i) -> None:
+    """Which classic mistake explains this case AND every other case? Else name the factors."""
+    label, cfg, T, B, dt, want, how = cases[i]
+    got = got_all[i]
+    shape_b = [(_shape(c), _itemsize(d), w) for _, c, _, _, d, w, _ in cases]
+    head = f"{label}, seq_len={T}, batch_size={B}, {dt}: expected {want:,} bytes ({how})"
+    for _key, wrong, message in _MISTAKES:
+        if wrong(want, *shape_b[i][:2]) == got and all(
+                wrong(w, sh, b) == g for (sh, b, w), g in zip(shape_b, got_all)):
+            raise fail(NAME, f"{head}, got {got:,}: {message}")
+    layers, _, kv, head_dim, _ = _shape(cfg)
+    ratio = got / want if want else float("inf")
+    raise fail(NAME, f"{head} = 2 x {layers} layers x {kv} key/value heads x head_dim {head_dim} x "
+                     f"{T} tokens x batch {B} x {_itemsize(dt)} bytes; you returned {got:,} "
+                     f"({ratio:.4g} times that). Check each factor.")
+
+
+def check_kv_cache_bytes(kv_cache_bytes) -> None:
+    """Grade ``kv_cache_bytes(config, seq_len, batch_size, dtype) -> int`` against measured and
+    hand-worked sizes (GPT-2, GQA, MQA, explicit / missing / None head_dim)."""
+    cases = _bytes_cases()
+    got_all = [_as_int(_call(kv_cache_bytes, NAME, (cfg, T, B, dt)), NAME, label)
+               for label, cfg, T, B, dt, _, _ in cases]
+    for i, case in enumerate(cases):
+        if got_all[i] != case[5]:
+            _explain_bytes(cases, got_all, i)
+    passed(NAME, f"{len(cases)} configs (GPT-2, GQA, MQA, head_dim explicit/absent/None; "
+                 "fp32/fp16/bf16/int8) match real DynamicCache bytes and hand-worked sizes")
+
+
+def _boundaries(per, label):
+    """(free_bytes, answer, what) at the fit/no-fit edges, for ``per`` bytes per unit."""
+    return [(5 * per, 5, f"free_bytes holds exactly 5 {label}"),
+            (5 * per - 1, 4, f"free_bytes is ONE byte short of 5 {label}"),
+            (6 * per - 1, 5, f"free_bytes holds 5 {label} and almost a sixth"),
+            (per - 1, 0, f"free_bytes is one byte short of a single one of the {label}"),
+            (0, 0, "free_bytes is 0"),
+            (1000 * per, 1000, f"free_bytes holds exactly 1000 {label}")]
+
+
+def _boundary_hint(got, want, free, per, unit="batch") -> str:
+    if got == want + 1 and got == math.ceil(free / per):
+        return (f": you rounded the {unit} UP. What only partly fits does not fit: round down "
+                "(free_bytes // bytes_per_unit)")
+    if got == want - 1 and free % per == 0:
+        return ": what fills free_bytes exactly does fit (use <=, or floor division)"
+    return ": the answer is free_bytes // bytes per unit"
 
 
 def check_max_batch_size(max_batch_size) -> None:
-    """Grade ``max_batch_size(config, seq_len, dtype, free_bytes) -> int`` at the fit/no-fit boundaries."""
-    from transformers import GPT2Config, LlamaConfig
+    """Grade ``max_batch_size(config, seq_len, dtype, free_bytes) -> int`` at the fit/no-fit
+    boundaries."""
+    from transformers import GPT2Config
 
-    configs = [
-        ("GPT-2 small", GPT2Config(), 1024, torch.float16),
-        ("Llama-3.1-8B's shape", LlamaConfig(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
-                                             num_key_value_heads=8), 8192, torch.bfloat16),
-        ("a small GQA model in fp32", LlamaConfig(hidden_size=48, num_hidden_layers=3, num_attention_heads=6,
-                                                  num_key_value_heads=2), 100, torch.float32),
-    ]
-    n = 0
+    configs = [("GPT-2 small", GPT2Config(), 1024, torch.float16),
+               ("Llama-3.1-8B's shape", _llama(4096, 32, 32, 8), 8192, torch.bfloat16),
+               ("a small GQA model in fp32", _llama(48, 3, 6, 2), 100, torch.float32)]
+    cases = []
     for label, cfg, T, dt in configs:
         layers, _, kv, head_dim, _ = _shape(cfg)
-        per_seq = 2 * layers * kv * head_dim * T * torch.empty((), dtype=dt).element_size()
-        for free, want, what in [
-            (5 * per_seq, 5, "free_bytes holds exactly 5 sequences' caches"),
-            (5 * per_seq - 1, 4, "free_bytes is ONE byte short of 5 sequences' caches"),
-            (5 * per_seq + per_seq - 1, 5, "free_bytes holds 5 sequences and almost a sixth"),
-            (per_seq - 1, 0, "free_bytes is one byte short of a single sequence's cache"),
-            (0, 0, "free_bytes is 0"),
-            (1000 * per_seq, 1000, "free_bytes holds exactly 1000 sequences"),
-        ]:
-            n += 1
-            got = _as_int(_call(max_batch_size, NAME_BATCH, (cfg, T, dt, free)), NAME_BATCH, f"{label}, {what}")
-            if got == want:
-                continue
-            head = (f"{label}, seq_len={T}, {dt}: one sequence's cache takes {per_seq:,} bytes; {what} "
-                    f"(free_bytes={free:,}), so the answer is {want}, you returned {got}")
-            if got == math.ceil(free / per_seq) and got == want + 1:
-                raise fail(NAME_BATCH, head + ": you rounded the batch UP. A sequence whose cache only partly "
-                                              "fits does not fit: round down (free_bytes // bytes_per_sequence)")
-            if got == want - 1 and free % per_seq == 0:
-                raise fail(NAME_BATCH, head + ": a batch whose cache fills free_bytes exactly does fit "
-                                              "(use <=, or floor division)")
-            raise fail(NAME_BATCH, head + ": the largest batch is free_bytes // kv_cache_bytes(config, seq_len, 1, dtype)")
-    passed(NAME_BATCH, f"{n} boundary cases (exact fit, one byte short, zero fits) on {len(configs)} configs")
+        per = 2 * layers * kv * head_dim * T * _itemsize(dt)
+        cases += [(label, cfg, T, dt, per, *b) for b in _boundaries(per, "sequences' caches")]
+    for label, cfg, T, dt, per, free, want, what in cases:
+        got = _as_int(_call(max_batch_size, NAME_BATCH, (cfg, T, dt, free)), NAME_BATCH,
+                      f"{label}, {what}")
+        if got != want:
+            raise fail(NAME_BATCH, f"{label}, seq_len={T}, {dt}: one sequence's cache takes {per:,} "
+                                   f"bytes; {what} (free_bytes={free:,}), so the answer is {want}, "
+                                   f"you returned {got}" + _boundary_hint(got, want, free, per))
+    passed(NAME_BATCH, f"{len(cases)} boundary cases (exact fit, one byte short, zero fits) on "
+                       f"{len(configs)} configs")
+
+
+NAME_SEQ = "check_max_seq_len"
+
+
+def check_max_seq_len(max_seq_len) -> None:
+    """Grade ``max_seq_len(config, batch_size, dtype, free_bytes) -> int``: the longest context whose
+    cache, for ``batch_size`` sequences, fits in ``free_bytes``, capped at the model's context
+    (``max_position_embeddings``, which GPT-2 configs also answer to)."""
+    from transformers import GPT2Config, MixtralConfig
+
+    mixtral = MixtralConfig(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
+                            num_key_value_heads=8, head_dim=None)
+    configs = [("GPT-2 small (context 1,024)", GPT2Config(), 4, torch.float16),
+               ("a Mixtral-style GQA config, head_dim None (context 32,768)", mixtral, 2,
+                torch.bfloat16)]
+    cases = []
+    for label, cfg, B, dt in configs:
+        layers, _, kv, head_dim, _ = _shape(cfg)
+        per = 2 * layers * kv * head_dim * B * _itemsize(dt)
+        ctx = cfg.max_position_embeddings
+        cases += [(label, cfg, B, dt, per, *b) for b in _boundaries(per, "tokens")[:4]]
+        cases.append((label, cfg, B, dt, per, 10 * ctx * per, ctx,
+                      "free_bytes holds ten times the model's context"))
+    for label, cfg, B, dt, per, free, want, what in cases:
+        got = _as_int(_call(max_seq_len, NAME_SEQ, (cfg, B, dt, free)), NAME_SEQ, f"{label}, {what}")
+        if got == want:
+            continue
+        hint = (": the model cannot attend past its context; cap the answer at "
+                "config.max_position_embeddings" if "context" in what else
+                _boundary_hint(got, want, free, per, "length"))
+        raise fail(NAME_SEQ, f"{label}, batch_size={B}, {dt}: one token of every sequence takes "
+                             f"{per:,} bytes; {what} (free_bytes={free:,}), so the answer is {want}, "
+                             f"you returned {got}" + hint)
+    passed(NAME_SEQ, f"{len(cases)} boundary cases (exact fit, one byte short, capped at the "
+                     f"context) on {len(configs)} configs")

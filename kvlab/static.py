@@ -1,0 +1,295 @@
+"""A static KV cache and a compiled decode step for the hand-built GPT-2 (chapter 8).
+
+Chapter 3's cache returns a view that grows by one position per step, and the position of the new
+token is a Python int. Both are poison for ``torch.compile``: a new shape or a new constant every
+step means a new graph (or a guard that fails) every step. Production engines fix both:
+
+* the cache is a buffer of ``max_len`` positions per layer, written *in place* at a position held in
+  a 0-d ``torch.long`` tensor, and ``update`` always returns the *whole* buffer (same shape, same
+  storage, every step);
+* attention runs over all ``max_len`` key slots, with a mask that hides every slot after the query's
+  own position (slots not yet written hold zeros or a previous prompt's keys: both must be hidden);
+* one decode step, ``(token ids [B, 1], position tensor) -> next token ids [B]``, is then the same
+  computation on the same shapes every time: compiled once, replayed for every token. On a GPU,
+  ``mode="reduce-overhead"`` records it as a CUDA graph, so a step is one launch instead of hundreds.
+
+    dec = StaticDecoder(model, max_len=256)                 # model: kvlab.gpt2.GPT2
+    dec.compile()                                           # torch.compile of the decode step
+    out = dec.generate(prompt_ids, 100)                     # == kvlab.gpt2.generate(model, ...)
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import subprocess
+import sys
+import time
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from .cache import Cache
+from .generate import check_inputs
+
+
+class StaticCache(Cache):
+    """Chapter 3's cache interface, with fixed shapes and a position held in a tensor.
+
+    Per layer, keys and values live in buffers ``[batch, heads, max_len, head_dim]`` allocated once.
+    ``update(layer, k, v, pos)`` writes the ``T`` new positions at ``pos .. pos+T-1`` with
+    ``index_copy_`` (the index is a tensor, so no Python number is ever read back from the device)
+    and returns the full buffers. ``position`` is a 0-d long tensor: where the next write starts,
+    advanced in place after the last layer. ``seq_len`` reads it back as an int, for code outside
+    the compiled step.
+    """
+
+    def __init__(self, n_layer: int, batch_size: int, n_head: int, head_dim: int, max_len: int,
+                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
+        if min(n_layer, batch_size, n_head, head_dim, max_len) < 1:
+            raise ValueError("n_layer, batch_size, n_head, head_dim and max_len must all be >= 1")
+        self.n_layer, self.batch_size, self.n_head, self.head_dim, self.max_len = (
+            n_layer, batch_size, n_head, head_dim, max_len)
+        shape = (batch_size, n_head, max_len, head_dim)
+        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layer)]
+        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layer)]
+        self.position = torch.zeros((), dtype=torch.long, device=device)
+        mark_static(self.keys + self.values + [self.position])
+
+    def update(self, layer, k, v, pos=None):
+        if pos is None:
+            pos = self.position
+        T = k.shape[2]
+        if k.shape[:2] != (self.batch_size, self.n_head) or k.shape[3] != self.head_dim or v.shape != k.shape:
+            raise ValueError(
+                f"cache holds [batch={self.batch_size}, heads={self.n_head}, max_len, "
+                f"head_dim={self.head_dim}] but got keys {list(k.shape)} and values {list(v.shape)}")
+        if T > self.max_len:
+            raise ValueError(f"{T} new tokens do not fit a cache of max_len={self.max_len}")
+        # Where the new tokens go, as a tensor: reading `pos` back as an int would break the graph.
+        # (A position past max_len cannot be checked here without that read: the decoder checks it.)
+        slots = pos + torch.arange(T, device=k.device)
+        self.keys[layer].index_copy_(2, slots, k)
+        self.values[layer].index_copy_(2, slots, v)
+        if layer == self.n_layer - 1:
+            self.position.copy_(pos + T)
+        return self.keys[layer], self.values[layer]
+
+    def reset(self):
+        # In place: a compiled step (and a CUDA graph) holds these very buffers. Zeroing is not
+        # needed for correctness (the mask hides stale slots) but makes "empty" mean empty.
+        for t in self.keys + self.values:
+            t.zero_()
+        self.position.zero_()
+
+    @property
+    def seq_len(self):
+        return int(self.position)
+
+    @property
+    def nbytes(self):
+        return sum(t.numel() * t.element_size() for t in self.keys + self.values)
+
+
+def mark_static(tensors) -> None:
+    """Tell ``torch.compile`` these tensors keep their address (CUDA graphs then write into them in
+    place rather than refusing a step that mutates an input). Only needed, and only done, on CUDA."""
+    for t in tensors:
+        if isinstance(t, torch.Tensor) and t.device.type == "cuda":
+            torch._dynamo.mark_static_address(t)
+
+
+def static_attention(q, k, v, pos):
+    """Attention of ``T`` new queries over a static cache's full buffers.
+
+    ``q``: ``[B, H, T, D]``; ``k``, ``v``: ``[B, H, max_len, D]``; ``pos``: 0-d long tensor, the
+    position of the first query. Query ``i`` sits at ``pos + i`` and may see key slots
+    ``0 .. pos + i``; every later slot is hidden, whether it holds an old key, zeros or a newer one.
+    """
+    T, S = q.shape[-2], k.shape[-2]
+    query_pos = pos + torch.arange(T, device=q.device)[:, None]           # [T, 1], a tensor
+    allowed = torch.arange(S, device=q.device)[None, :] <= query_pos      # [T, S]: True = may attend
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed)
+
+
+def static_attention_explicit(q, k, v, pos):
+    """:func:`static_attention` written out (scores, mask, softmax), for reading and for checks."""
+    T, S = q.shape[-2], k.shape[-2]
+    scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])              # [B, H, T, max_len]
+    query_pos = pos + torch.arange(T, device=q.device)[:, None]
+    hidden = torch.arange(S, device=q.device)[None, :] > query_pos
+    return torch.softmax(scores.masked_fill(hidden, float("-inf")), dim=-1) @ v
+
+
+def forward_static(model, input_ids, cache, pos, attention_fn: Callable = static_attention):
+    """The hand-built GPT-2's forward (``kvlab.gpt2.GPT2``) with a static cache (chapter 8): the ``T``
+    new tokens sit at positions ``pos .. pos+T-1`` (``pos`` a 0-d tensor). Returns the last position's
+    logits ``[B, vocab]``. The same blocks and weights as ``GPT2.forward``; only where the position
+    comes from and what the cache returns differ."""
+    B, T = input_ids.shape
+    cfg = model.config
+    C, H, D = cfg.n_embd, cfg.n_head, cfg.head_dim
+    x = model.wte(input_ids) + model.wpe(pos + torch.arange(T, device=input_ids.device))
+    for layer, block in enumerate(model.h):
+        q, k, v = block.attn.c_attn(block.ln_1(x)).split(C, dim=2)
+        q, k, v = (t.view(B, T, H, D).transpose(1, 2) for t in (q, k, v))
+        k, v = cache.update(layer, k, v, pos)            # the full buffers: [B, H, max_len, D]
+        y = attention_fn(q, k, v, pos)
+        x = x + block.attn.c_proj(y.transpose(1, 2).reshape(B, T, C))
+        x = x + block.mlp(block.ln_2(x))
+    return model.ln_f(x[:, -1]) @ model.wte.weight.T
+
+
+class StaticDecoder:
+    """Greedy generation for the hand-built GPT-2 with a static cache and one (compiled) decode step.
+
+    The prompt (prefill) runs eagerly: its length varies between prompts, and compiling it would
+    mean a graph per prompt length. Every decode step has the same shapes, ``ids [B, 1]`` and a 0-d
+    position tensor, so :meth:`compile` makes one graph that serves every step and every prompt.
+    ``cache_cls`` and ``attention_fn`` are pluggable (lab 8 runs a learner's here): the cache only
+    needs ``cache_cls(n_layer, batch_size, n_head, head_dim, max_len, dtype, device)``,
+    ``update(layer, k, v, pos)`` and ``reset()``.
+    """
+
+    def __init__(self, model, batch_size: int = 1, max_len: int | None = None, cache_cls=StaticCache,
+                 attention_fn: Callable = static_attention):
+        cfg, p = model.config, model.wte.weight
+        self.model, self.attention_fn = model, attention_fn
+        self.batch_size = batch_size
+        self.max_len = max_len or cfg.n_positions
+        if self.max_len > cfg.n_positions:
+            raise ValueError(f"max_len={self.max_len} exceeds GPT-2's context of "
+                             f"n_positions={cfg.n_positions}")
+        self.cache = cache_cls(cfg.n_layer, batch_size, cfg.n_head, cfg.head_dim, self.max_len, p.dtype,
+                               p.device)
+        mark_static([t for t in _tensors_of(self.cache)])
+        # The decoder owns the position (the lab's caches do not track one): a 0-d tensor on the
+        # model's device, advanced in place, so the compiled step sees the same input every time.
+        self.pos = torch.zeros((), dtype=torch.long, device=p.device)
+        self.ids = torch.zeros(batch_size, 1, dtype=torch.long, device=p.device)   # the step's input
+        mark_static([self.pos, self.ids])
+        self.step = self._step
+        self.compiled = False
+        self.cuda_graphs = False
+
+    def _step(self, ids, pos):
+        """One decode step: ids ``[B, 1]`` at position ``pos`` -> the greedy next ids ``[B]``."""
+        return forward_static(self.model, ids, self.cache, pos, self.attention_fn).argmax(dim=-1)
+
+    def compile(self, backend="inductor", mode: str | None = None, fullgraph: bool = True, **kwargs):
+        """``torch.compile`` the decode step (``dynamic=False``: every step has the same shapes).
+
+        ``mode=None`` picks ``"reduce-overhead"`` on CUDA (CUDA graphs) and ``"default"`` elsewhere
+        (on a CPU, inductor generates C++/OpenMP kernels; there are no graphs to replay).
+        """
+        if mode is None and backend == "inductor":
+            mode = "reduce-overhead" if self.pos.device.type == "cuda" else "default"
+        opts = dict(backend=backend, fullgraph=fullgraph, dynamic=False, **kwargs)
+        if mode is not None:
+            opts["mode"] = mode
+        self.step = torch.compile(self._step, **opts)
+        self.compiled = True
+        self.cuda_graphs = mode == "reduce-overhead" and self.pos.device.type == "cuda"
+        return self
+
+    @torch.no_grad()
+    def generate(self, input_ids, max_new_tokens: int) -> torch.Tensor:
+        """Greedy tokens ``[B, T + max_new_tokens]``, equal to ``kvlab.gpt2.generate``'s (chapter 8)."""
+        ids = check_inputs(self.model, input_ids, max_new_tokens, batched=True)
+        B, T = ids.shape
+        if B != self.batch_size:
+            raise ValueError(f"this decoder's cache was made for batch_size={self.batch_size}, "
+                             f"got {B} prompts")
+        if T + max_new_tokens > self.max_len:
+            raise ValueError(f"prompt {T} + {max_new_tokens} new tokens exceeds the static cache's "
+                             f"max_len={self.max_len}: make the decoder with a larger max_len")
+        out = torch.empty(B, T + max_new_tokens, dtype=torch.long, device=ids.device)
+        out[:, :T] = ids
+        if max_new_tokens == 0:
+            return out
+        self.cache.reset()
+        self.pos.zero_()
+        nxt = forward_static(self.model, ids, self.cache, self.pos, self.attention_fn).argmax(dim=-1)
+        self.pos += T                                   # prefill, eager: prompt lengths vary
+        for t in range(T, T + max_new_tokens):
+            out[:, t] = nxt
+            if t + 1 < T + max_new_tokens:
+                if self.cuda_graphs:   # a new step: the graph may reuse its previous output's memory
+                    torch.compiler.cudagraph_mark_step_begin()
+                self.ids.copy_(nxt[:, None])            # inputs at fixed addresses: nothing to copy in
+                nxt = self.step(self.ids, self.pos)     # the same graph for every step
+                self.pos += 1
+        return out
+
+
+def _tensors_of(obj):
+    """Every tensor an object holds directly or in a list, tuple or dict attribute (to mark them static)."""
+    for value in vars(obj).values():
+        items = list(value.values()) if isinstance(value, dict) else value
+        items = items if isinstance(items, (list, tuple)) else [items]
+        yield from (t for t in items if isinstance(t, torch.Tensor))
+
+
+def cpu_compiler() -> str:
+    """The C++ compiler inductor builds its CPU kernels with (``$CXX``, else ``g++``; ``clang++`` on
+    macOS) and its version. ``torch.compile`` on a CPU writes C++ and needs one: without it, say so."""
+    cxx = os.environ.get("CXX", "clang++" if sys.platform == "darwin" else "g++")
+    if shutil.which(cxx) is None:
+        raise RuntimeError(f"torch.compile on a CPU needs a C++ compiler and '{cxx}' is not installed: "
+                           "install g++ (Debian/Ubuntu: apt-get install g++) or point CXX at another one")
+    version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout.splitlines()
+    return f"{cxx} ({version[0] if version else 'unknown version'})"
+
+
+def time_first_call(fn, device) -> float:
+    """Seconds of ONE call of ``fn``, the one that compiles. ``torch.utils.benchmark`` cannot time it: it
+    warms up before measuring, and the warm-up is exactly the compilation. So: a wall clock around a
+    single call, the device synchronised before and after (CUDA runs asynchronously)."""
+    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
+    sync()
+    start = time.perf_counter()
+    fn()
+    sync()
+    return time.perf_counter() - start
+
+
+def break_even_tokens(compile_seconds: float, eager_per_token: float, compiled_per_token: float):
+    """After how many generated tokens compiling has paid for itself (``None``: it never does)."""
+    gain = eager_per_token - compiled_per_token
+    return compile_seconds / gain if gain > 0 else None
+
+
+# ---------------------------------------------------------------------------------------------------
+# transformers' way: StaticCache + torch.compile inside generate
+
+
+def hf_compile_config(device, backend="inductor", mode: str | None = None):
+    """A transformers ``CompileConfig`` for ``generate`` (chapter 8): ``reduce-overhead`` (CUDA
+    graphs) on CUDA, inductor's default mode elsewhere. transformers compiles the decode step by itself
+    only on accelerators; its ``_compile_all_devices`` flag (meant for exactly this) asks it to on a
+    CPU too."""
+    from transformers import CompileConfig
+
+    device = torch.device(device)
+    if mode is None:
+        mode = "reduce-overhead" if device.type == "cuda" else "default"
+    config = CompileConfig(backend=backend, mode=mode, fullgraph=True, dynamic=False)
+    config._compile_all_devices = device.type != "cuda"
+    return config
+
+
+@torch.no_grad()
+def hf_static_generate(model, input_ids, max_new_tokens: int, compile_config=None) -> torch.Tensor:
+    """transformers' greedy ``generate`` with ``cache_implementation="static"`` (chapter 8); the decode
+    step compiled with ``compile_config`` (see :func:`hf_compile_config`), or eager when it is ``None``
+    (on a GPU transformers would otherwise compile it on its own). transformers keeps the compiled
+    step on the model and compiles again only for a config with other settings, or new shapes."""
+    ids = check_inputs(model, input_ids, max_new_tokens)
+    if max_new_tokens == 0:
+        return ids
+    how = {"compile_config": compile_config} if compile_config is not None else {"disable_compile": True}
+    return model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                          max_new_tokens=max_new_tokens, eos_token_id=None,
+                          pad_token_id=model.config.eos_token_id, cache_implementation="static", **how)

@@ -1,0 +1,292 @@
+"""The lab-8 graders accept correct static caches and attentions (usual and unusual ones) and reject
+each known mistake with a message that names it."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvlab.checks import check_no_recompile, check_static_attention, check_static_cache
+from kvlab.static import StaticCache, static_attention, static_attention_explicit
+
+from conftest import expect_rejected
+
+
+# --- caches: correct ones ------------------------------------------------------------------------------
+
+class CacheAdvancedIndex:
+    """Correct, unusual: one tensor per layer and kind in a dict, written by advanced indexing."""
+
+    def __init__(self, n_layer, batch_size, n_head, head_dim, max_len, dtype, device):
+        shape = (batch_size, n_head, max_len, head_dim)
+        self.buf = {(i, kind): torch.zeros(shape, dtype=dtype, device=device)
+                    for i in range(n_layer) for kind in "kv"}
+
+    def update(self, layer, k, v, pos):
+        slots = pos + torch.arange(k.shape[2], device=k.device)
+        self.buf[layer, "k"][:, :, slots] = k
+        self.buf[layer, "v"][:, :, slots] = v
+        return self.buf[layer, "k"], self.buf[layer, "v"]
+
+    def reset(self):
+        for t in self.buf.values():
+            t.fill_(0)
+
+
+class CacheWhere:
+    """Correct, unusual: one [layers, 2, B, H, S, D] tensor, written with a mask and torch.where."""
+
+    def __init__(self, n_layer, batch_size, n_head, head_dim, max_len, dtype, device):
+        self.kv = torch.zeros(n_layer, 2, batch_size, n_head, max_len, head_dim, dtype=dtype, device=device)
+
+    def update(self, layer, k, v, pos):
+        S, T = self.kv.shape[4], k.shape[2]
+        rel = torch.arange(S) - pos                              # slot j holds new token j - pos
+        hit = ((rel >= 0) & (rel < T))[:, None]
+        for i, new in enumerate((k, v)):
+            spread = new[:, :, rel.clamp(0, T - 1)]              # [B, H, S, D]
+            self.kv[layer, i].copy_(torch.where(hit, spread, self.kv[layer, i]))
+        return self.kv[layer, 0], self.kv[layer, 1]
+
+    def reset(self):
+        self.kv.zero_()
+
+
+# --- caches: wrong ones --------------------------------------------------------------------------------
+
+class CacheSliced(StaticCache):                     # returns only the filled part: shape grows every step
+    def update(self, layer, k, v, pos=None):
+        keys, values = super().update(layer, k, v, pos)
+        end = int(pos) + k.shape[2]
+        return keys[:, :, :end], values[:, :, :end]
+
+
+class CacheIntPos(StaticCache):                     # the position read back as a Python int
+    def update(self, layer, k, v, pos=None):
+        p, T = int(pos), k.shape[2]
+        self.keys[layer][:, :, p:p + T] = k
+        self.values[layer][:, :, p:p + T] = v
+        return self.keys[layer], self.values[layer]
+
+
+class CacheResetKeepsKeys(StaticCache):             # reset() forgets the position only
+    def reset(self):
+        self.position.zero_()
+
+
+class CacheResetReallocates(StaticCache):           # reset() makes new buffers
+    def reset(self):
+        self.keys = [torch.zeros_like(t) for t in self.keys]
+        self.values = [torch.zeros_like(t) for t in self.values]
+
+
+class CacheRowZeroEverywhere(StaticCache):          # k[0] broadcast over the batch
+    def update(self, layer, k, v, pos=None):
+        return super().update(layer, k[:1].expand_as(k), v[:1].expand_as(v), pos)
+
+
+class CacheRowShift(StaticCache):                   # row b written b slots late
+    def update(self, layer, k, v, pos=None):
+        T = k.shape[2]
+        for b in range(k.shape[0]):
+            slots = pos + b + torch.arange(T)
+            self.keys[layer][b].index_copy_(1, slots % self.max_len, k[b])
+            self.values[layer][b].index_copy_(1, slots % self.max_len, v[b])
+        return self.keys[layer], self.values[layer]
+
+
+class CacheRowZeroOnly(StaticCache):                # only row 0 is written
+    def update(self, layer, k, v, pos=None):
+        slots = pos + torch.arange(k.shape[2])
+        self.keys[layer][0].index_copy_(1, slots, k[0])
+        self.values[layer][0].index_copy_(1, slots, v[0])
+        return self.keys[layer], self.values[layer]
+
+
+class CacheOwnCounter(StaticCache):                 # ignores pos, keeps a Python counter (lab 3 style)
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.n = 0
+
+    def update(self, layer, k, v, pos=None):
+        keys, values = super().update(layer, k, v, torch.tensor(self.n))
+        if layer == self.n_layer - 1:
+            self.n += k.shape[2]
+        return keys, values
+
+    def reset(self):
+        super().reset()
+        self.n = 0
+
+
+class CacheGarbage(StaticCache):                    # torch.empty-like: unwritten slots are not zeros
+    def __init__(self, *args):
+        super().__init__(*args)
+        for t in self.keys + self.values:
+            t.fill_(7.0)
+
+
+class CacheNewTensor(StaticCache):                  # returns a copy: a new tensor every step
+    def update(self, layer, k, v, pos=None):
+        keys, values = super().update(layer, k, v, pos)
+        return keys.clone(), values.clone()
+
+
+class CacheSwapped(StaticCache):
+    def update(self, layer, k, v, pos=None):
+        keys, values = super().update(layer, k, v, pos)
+        return values, keys
+
+
+class CacheSharedLayers(StaticCache):               # every layer writes the same buffer
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.keys = [self.keys[0]] * self.n_layer
+        self.values = [self.values[0]] * self.n_layer
+
+
+class CacheOffByOne(StaticCache):
+    def update(self, layer, k, v, pos=None):
+        return super().update(layer, k, v, pos + 1)
+
+
+class CacheWrongSignature:
+    def __init__(self, n_layer, max_len):
+        pass
+
+
+# --- attentions: correct and wrong ---------------------------------------------------------------------
+
+def attention_additive_mask(q, k, v, pos):          # correct, unusual: float mask of -1e9, float64 inside
+    T, S = q.shape[-2], k.shape[-2]
+    hidden = torch.arange(S)[None] > pos + torch.arange(T)[:, None]
+    scores = (q.double() @ k.double().transpose(-2, -1)) / math.sqrt(q.shape[-1]) - 1e9 * hidden
+    return (torch.softmax(scores, -1) @ v.double()).to(q.dtype)
+
+
+def _masked(q, k, v, allowed, scale=None):
+    scale = scale or 1 / math.sqrt(q.shape[-1])
+    return torch.softmax((q @ k.transpose(-2, -1) * scale).masked_fill(~allowed, float("-inf")), -1) @ v
+
+
+def _qk_pos(q, k, pos):
+    return torch.arange(k.shape[-2])[None], pos + torch.arange(q.shape[-2])[:, None]
+
+
+def attention_no_mask(q, k, v, pos):
+    return F.scaled_dot_product_attention(q, k, v)
+
+
+def attention_chunk_causal_only(q, k, v, pos):      # causal among the new tokens, unwritten slots let through
+    kp, qp = _qk_pos(q, k, pos)
+    return _masked(q, k, v, (kp <= qp) | (kp >= pos + q.shape[-2]))
+
+
+def attention_hides_unwritten_only(q, k, v, pos):   # the future inside a chunk is visible
+    kp, _ = _qk_pos(q, k, pos)
+    return _masked(q, k, v, (kp < pos + q.shape[-2]).expand(q.shape[-2], -1))
+
+
+def attention_ignores_pos(q, k, v, pos):
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+def attention_strict(q, k, v, pos):
+    kp, qp = _qk_pos(q, k, pos)
+    return _masked(q, k, v, kp < qp)
+
+
+def attention_scale_d(q, k, v, pos):
+    kp, qp = _qk_pos(q, k, pos)
+    return _masked(q, k, v, kp <= qp, scale=1 / q.shape[-1])
+
+
+def attention_int_pos(q, k, v, pos):                # right numbers, but the position read back as an int
+    return static_attention(q, k, v, int(pos))
+
+
+def attention_sliced(q, k, v, pos):                 # slices the keys to the current length
+    end = int(pos) + q.shape[-2]
+    return static_attention(q, k[:, :, :end], v[:, :, :end], pos)
+
+
+def attention_row_zero(q, k, v, pos):
+    return static_attention(q[:1], k[:1], v[:1], pos).expand_as(q).contiguous()
+
+
+def attention_crashes(q, k, v, pos):
+    raise RuntimeError("shapes do not match")
+
+
+# --- the tests -----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("impl", [StaticCache, CacheAdvancedIndex, CacheWhere])
+def test_cache_accepts_correct(impl, capsys):
+    check_static_cache(impl)
+    assert "PASSED check_static_cache" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("impl, needles", [
+    (CacheSliced, ["slice to the current length", "recompiles"]),
+    (CacheIntPos, ["int(pos)", "graph break"]),
+    (CacheResetKeepsKeys, ["after reset()", "previous prompt", "zero_()"]),
+    (CacheResetReallocates, ["reset() allocated new buffers"]),
+    (CacheRowZeroEverywhere, ["row 0's keys"]),
+    (CacheRowShift, ["row 1's are at slot", "same"]),
+    (CacheRowZeroOnly, ["only batch row 0"]),
+    (CacheOwnCounter, ["rewind", "counter of your own"]),
+    (CacheGarbage, ["never written", "zeros"]),
+    (CacheNewTensor, ["different tensor", "once"]),
+    (CacheSwapped, ["swapped"]),
+    (CacheSharedLayers, ["overwrote the past"]),
+    (CacheOffByOne, ["slot 1, not at pos=0"]),
+    (CacheWrongSignature, ["constructor takes"]),
+])
+def test_cache_rejects(impl, needles):
+    expect_rejected(check_static_cache, impl, *needles)
+
+
+@pytest.mark.parametrize("impl", [static_attention, static_attention_explicit, attention_additive_mask])
+def test_attention_accepts_correct(impl, capsys):
+    check_static_attention(impl)
+    assert "PASSED check_static_attention" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("impl, needles", [
+    (attention_no_mask, ["no mask", "not written"]),
+    (attention_chunk_causal_only, ["j >= pos + T", "written or not"]),
+    (attention_hides_unwritten_only, ["future inside a chunk"]),
+    (attention_ignores_pos, ["ignores pos"]),
+    (attention_strict, ["own slot"]),
+    (attention_scale_d, ["divided by D"]),
+    (attention_int_pos, ["int(pos)", "graph break"]),
+    (attention_sliced, ["slicing", "graph break"]),
+    (attention_row_zero, ["batch row 0"]),
+    (attention_crashes, ["raised RuntimeError", "shapes do not match"]),
+])
+def test_attention_rejects(impl, needles):
+    expect_rejected(check_static_attention, impl, *needles)
+
+
+# check_no_recompile compiles (aot_eager backend, a few seconds each): the main cases only.
+
+def test_no_recompile_accepts_correct(capsys):
+    check_no_recompile(StaticCache, static_attention)
+    check_no_recompile(CacheAdvancedIndex, static_attention_explicit, steps=10)
+    out = capsys.readouterr().out
+    assert out.count("PASSED check_no_recompile") == 2 and "1 graph compiled" in out
+
+
+def attention_for_sliced(q, k, v, pos):            # works with a sliced cache (keys 0 .. pos+T-1)
+    return static_attention(q, k, v, pos)
+
+
+@pytest.mark.parametrize("cache, attention, needles", [
+    (CacheSliced, attention_for_sliced, ["graph", "slice to the current length"]),
+    (CacheIntPos, static_attention, ["graph", "update reads the position"]),
+    (CacheOwnCounter, static_attention, ["graph", "counter kept in the cache"]),
+    (StaticCache, attention_int_pos, ["graph", "static_attention reads the position"]),
+])
+def test_no_recompile_rejects(cache, attention, needles):
+    expect_rejected(lambda c: check_no_recompile(c, attention, steps=12), cache, *needles)
