@@ -46,6 +46,13 @@ class Cache(ABC):
         if layer == self.n_layer - 1:
             self._len += new_tokens
 
+    def _set_sizes(self, n_layer: int, batch_size: int, n_head: int, head_dim: int, max_len: int) -> None:
+        """For caches sized up front: check and keep the five sizes their buffers are made of."""
+        if min(n_layer, batch_size, n_head, head_dim, max_len) < 1:
+            raise ValueError("n_layer, batch_size, n_head, head_dim and max_len must all be >= 1")
+        self.n_layer, self.batch_size, self.n_head, self.head_dim, self.max_len = (
+            n_layer, batch_size, n_head, head_dim, max_len)
+
     def _check_update(self, k: torch.Tensor, v: torch.Tensor) -> int:
         """For caches sized up front (``batch_size``, ``n_head``, ``head_dim``, ``max_len``): refuse keys
         and values of another shape, or more tokens than fit; return the number of new tokens."""
@@ -84,10 +91,7 @@ class PreallocatedCache(Cache):
 
     def __init__(self, n_layer: int, batch_size: int, n_head: int, head_dim: int, max_len: int,
                  dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
-        if min(n_layer, batch_size, n_head, head_dim, max_len) < 1:
-            raise ValueError("n_layer, batch_size, n_head, head_dim and max_len must all be >= 1")
-        self.n_layer, self.batch_size, self.n_head, self.head_dim, self.max_len = (
-            n_layer, batch_size, n_head, head_dim, max_len)
+        self._set_sizes(n_layer, batch_size, n_head, head_dim, max_len)
         shape = (n_layer, batch_size, n_head, max_len, head_dim)
         self.keys = torch.zeros(shape, dtype=dtype, device=device)
         self.values = torch.zeros(shape, dtype=dtype, device=device)

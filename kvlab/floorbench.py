@@ -19,7 +19,7 @@ import sys
 import torch
 from tqdm.auto import tqdm
 
-from . import gpt2, roofline, timing
+from . import gpt2, plots, roofline, timing
 from .generate import cached_generate, hf_greedy
 
 # ---------------------------------------------------------------------------------------------------
@@ -117,18 +117,8 @@ def print_rows(rows: list[dict]) -> None:
 
 def plot_rows(rows: list[dict], ax) -> None:
     """Measured ms per token (bars) and the floor (black ticks), one group per model and thread count."""
-    groups = list(dict.fromkeys((r["model"], r["where"]) for r in rows))
-    width = 0.8 / len(GENERATORS)
-    for j, gen in enumerate(GENERATORS):
-        ys = [next(r["per_token"] for r in rows if (r["model"], r["where"]) == grp and r["generator"] == gen)
-              for grp in groups]
-        ax.bar([i + (j - 1) * width for i in range(len(groups))], [y * 1e3 for y in ys], width, label=gen)
-    for i, grp in enumerate(groups):
-        fl = next(r["floor_per_token"] for r in rows if (r["model"], r["where"]) == grp)
-        ax.hlines(fl * 1e3, i - 0.45, i + 0.45, color="k", lw=2, label="floor" if i == 0 else None)
-    ax.set_xticks(range(len(groups)), [f"{m}\n{w}" for m, w in groups], fontsize=8)
-    ax.set(yscale="log", ylabel="ms per token (log)", title="measured time per token against the floor")
-    ax.legend(fontsize=7)
+    plots.bars_against_floor(ax, rows, lambda r: (r["model"], r["where"]), "generator", GENERATORS,
+                             lambda g: f"{g[0]}\n{g[1]}", "measured time per token against the floor")
 
 
 # ---------------------------------------------------------------------------------------------------

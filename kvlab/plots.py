@@ -57,3 +57,24 @@ def share_axis(ax, ticks=(0.15, 0.2, 0.3, 0.5, 1.0), label: str = "") -> None:
     ax.xaxis.set_minor_locator(plt.NullLocator())
     ax.xaxis.set_major_formatter(PercentFormatter(1.0, decimals=0))
     ax.set_xlabel(label)
+
+
+def bars_against_floor(ax, rows: list[dict], group_key, variant_key: str, variants, group_label,
+                       title: str, hatched=()) -> None:
+    """Measured ms per token as bars, one group per ``group_key(row)``, one bar per variant, and
+    each group's floor as a black tick (chapters 7 and 8). Rows hold ``per_token`` and
+    ``floor_per_token`` in seconds."""
+    groups = list(dict.fromkeys(group_key(r) for r in rows))
+    width = 0.8 / len(variants)
+    shift = (len(variants) - 1) / 2
+    for j, variant in enumerate(variants):
+        ys = [next(r["per_token"] for r in rows if group_key(r) == g and r[variant_key] == variant)
+              for g in groups]
+        ax.bar([i + (j - shift) * width for i in range(len(groups))], [y * 1e3 for y in ys], width,
+               label=variant, hatch="//" if variant in hatched else None)
+    for i, g in enumerate(groups):
+        floor = next(r["floor_per_token"] for r in rows if group_key(r) == g)
+        ax.hlines(floor * 1e3, i - 0.45, i + 0.45, color="k", lw=2, label="floor" if i == 0 else None)
+    ax.set_xticks(range(len(groups)), [group_label(g) for g in groups], fontsize=8)
+    ax.set(yscale="log", ylabel="ms per token (log)", title=title)
+    ax.legend(fontsize=7)

@@ -48,10 +48,7 @@ class StaticCache(Cache):
 
     def __init__(self, n_layer: int, batch_size: int, n_head: int, head_dim: int, max_len: int,
                  dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
-        if min(n_layer, batch_size, n_head, head_dim, max_len) < 1:
-            raise ValueError("n_layer, batch_size, n_head, head_dim and max_len must all be >= 1")
-        self.n_layer, self.batch_size, self.n_head, self.head_dim, self.max_len = (
-            n_layer, batch_size, n_head, head_dim, max_len)
+        self._set_sizes(n_layer, batch_size, n_head, head_dim, max_len)
         shape = (batch_size, n_head, max_len, head_dim)
         self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layer)]
         self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layer)]

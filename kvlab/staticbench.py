@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from . import gpt2, roofline, static, timing
+from . import gpt2, plots, roofline, static, timing
 from .generate import hf_greedy
 
 # The four generators, and for each compiled one the eager one it replaces.
@@ -138,18 +138,9 @@ def print_rows(rows: list[dict]) -> None:
 
 def plot_rows(rows: list[dict], ax) -> None:
     """Measured ms per token (bars) and the floor (black ticks), one group per model."""
-    groups = list(dict.fromkeys((r["model"], r["threads"]) for r in rows))
-    width = 0.8 / len(VARIANTS)
-    for j, gen in enumerate(VARIANTS):
-        ys = [row(rows, grp[0], gen, grp[1])["per_token"] for grp in groups]
-        ax.bar([i + (j - 1.5) * width for i in range(len(groups))], [y * 1e3 for y in ys], width, label=gen,
-               hatch="//" if gen in TWIN else None)
-    for i, grp in enumerate(groups):
-        fl = next(r["floor_per_token"] for r in rows if (r["model"], r["threads"]) == grp)
-        ax.hlines(fl * 1e3, i - 0.45, i + 0.45, color="k", lw=2, label="floor" if i == 0 else None)
-    ax.set_xticks(range(len(groups)), [f"{m}\n{t} thread{'s' * (t > 1)}" for m, t in groups], fontsize=8)
-    ax.set(yscale="log", ylabel="ms per token (log)", title="eager and compiled, against the floor")
-    ax.legend(fontsize=7)
+    plots.bars_against_floor(ax, rows, lambda r: (r["model"], r["threads"]), "generator", VARIANTS,
+                             lambda g: f"{g[0]}\n{g[1]} thread{'s' * (g[1] > 1)}",
+                             "eager and compiled, against the floor", hatched=set(TWIN))
 
 
 # ---------------------------------------------------------------------------------------------------
