@@ -165,8 +165,11 @@ def test_bench_command_checks_tokens_then_times(capsys):
     from kvlab import bench
     ratios = bench.run("kvlab-tiny", new_tokens=6, prompt_len=4, repeats=1, threads=None, naive=True)
     assert set(ratios) == {"transformers generate (DynamicCache)", "kvlab cached_generate (DynamicCache loop)",
-                           "kvlab hand-built GPT-2, preallocated cache", "naive (no cache)"}
+                           "kvlab hand-built GPT-2, preallocated cache", "naive (no cache)",
+                           "transformers generate, StaticCache, compiled",     # chapter 8's rows
+                           "kvlab hand-built GPT-2, static cache, compiled"}
     assert ratios["transformers generate (DynamicCache)"] == 1.0
     out = capsys.readouterr().out
     assert "identical tokens" in out
+    assert "first call" in out and "compilation included" in out          # compile time apart
     assert "x floor" in out and "floor of this generation here" in out   # chapter 7's ratio, printed
