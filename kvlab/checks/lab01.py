@@ -114,26 +114,34 @@ def compare_tokens(check: str, model, out, want, T: int, n: int) -> None:
                           f"{int(want[0, i])}: {why}")
 
 
-def check_naive_generate(naive_generate) -> None:
-    """Grade a learner's naive greedy generator against ``model.generate(do_sample=False,
-    use_cache=False)``, on a private copy of the model, with no cache allowed."""
+def grade_single_prompts(check: str, fn_name: str, fn, use_cache: bool, rule, on_call=None) -> int:
+    """The one loop of labs 1 and 2: every case of :func:`single_prompt_cases` through the learner's
+    generator on a private copy of the model, then the shared checks (stops, shape, tokens) and the
+    lab's own ``rule(calls, T, n)`` on the forward calls it made. Returns the number of cases."""
     model, tok = grading_model()
-    guard = LearnerModel(NAME, model)
+    guard = LearnerModel(check, model)
 
     def grade(case: Case) -> None:
         T, n = case.prompt.shape[1], case.n
-        want = reference_greedy(model, case.prompt, n, use_cache=False)
+        want = reference_greedy(model, case.prompt, n, use_cache=use_cache)
         before = case.prompt.clone()
-        with guard.case(case.eos) as mine:
-            out = learner_call(NAME, f"{case.name}: naive_generate(model, <[1, {T}] prompt>, {n})",
-                               naive_generate, mine, case.prompt, n)
+        with guard.case(case.eos, on_call=on_call(T, n) if on_call else None) as mine:
+            out = learner_call(check, f"{case.name}: {fn_name}(model, <[1, {T}] prompt>, {n})",
+                               fn, mine, case.prompt, n)
         if case.eos is not None:
-            stopped_early(NAME, out, T, n, case.eos)
-        check_generated_ids(NAME, out, case.prompt, before, n)
-        no_cache_rule(NAME, guard.calls, T)
-        compare_tokens(NAME, model, out.cpu(), want, T, n)
+            stopped_early(check, out, T, n, case.eos)
+        check_generated_ids(check, out, case.prompt, before, n)
+        rule(guard.calls, T, n)
+        compare_tokens(check, model, out.cpu(), want, T, n)
 
-    count = run_cases(single_prompt_cases(model, tok), grade)
+    return run_cases(single_prompt_cases(model, tok), grade)
+
+
+def check_naive_generate(naive_generate) -> None:
+    """Grade a learner's naive greedy generator against ``model.generate(do_sample=False,
+    use_cache=False)``, on a private copy of the model, with no cache allowed."""
+    count = grade_single_prompts(NAME, "naive_generate", naive_generate, use_cache=False,
+                                 rule=lambda calls, T, n: no_cache_rule(NAME, calls, T))
     passed(NAME, f"{count} cases (1-token prompt, 0 new tokens, a full context, eos inside the "
                  "prompt, an eos id that comes up) match model.generate(do_sample=False, "
                  "use_cache=False)")

@@ -18,10 +18,9 @@ from __future__ import annotations
 
 import torch
 
-from ._common import (Call, LearnerModel, check_generated_ids, expect_value_error, fail,
-                      fresh_prompts, grading_model, learner_call, passed, reference_greedy, run_cases,
-                      stopped_early)
-from .lab01 import Case, compare_tokens, grading_eos, single_prompt_cases
+from ._common import (Call, LearnerModel, expect_value_error, fail, fresh_prompts, grading_model,
+                      learner_call, passed, reference_greedy, run_cases)
+from .lab01 import grade_single_prompts, grading_eos
 
 NAME = "check_cached_generate"
 NAME_UNTIL = "check_generate_until"
@@ -83,30 +82,20 @@ def watch(T: int, n: int):
     return on_call
 
 
+def enough_calls(calls, T: int, n: int) -> None:
+    """A cached loop makes one forward call per new token (the first one is the prefill)."""
+    if len(calls) < n:
+        raise fail(NAME, f"prompt of {T} tokens, max_new_tokens={n}: that takes {n} forward "
+                         f"call(s), you made {len(calls)}; where do the other tokens "
+                         "come from?")
+
+
 def check_cached_generate(cached_generate) -> None:
     """Grade a learner's cached greedy generator: tokens equal to ``model.generate`` (greedy), and a
     real cached loop (one prefill over the prompt, then one token per call on a cache that holds all
     earlier tokens, ``max_new_tokens`` calls in all), on a private copy of the model."""
-    model, tok = grading_model()
-    guard = LearnerModel(NAME, model)
-
-    def grade(case: Case) -> None:
-        T, n = case.prompt.shape[1], case.n
-        want = reference_greedy(model, case.prompt, n)
-        before = case.prompt.clone()
-        with guard.case(case.eos, on_call=watch(T, n)) as mine:
-            out = learner_call(NAME, f"{case.name}: cached_generate(model, <[1, {T}] prompt>, {n})",
-                               cached_generate, mine, case.prompt, n)
-        if case.eos is not None:
-            stopped_early(NAME, out, T, n, case.eos)
-        check_generated_ids(NAME, out, case.prompt, before, n)
-        if len(guard.calls) < n:
-            raise fail(NAME, f"prompt of {T} tokens, max_new_tokens={n}: that takes {n} forward "
-                             f"call(s), you made {len(guard.calls)}; where do the other tokens "
-                             "come from?")
-        compare_tokens(NAME, model, out.cpu(), want, T, n)
-
-    count = run_cases(single_prompt_cases(model, tok), grade)
+    count = grade_single_prompts(NAME, "cached_generate", cached_generate, use_cache=True,
+                                 rule=enough_calls, on_call=watch)
     passed(NAME, f"{count} cases (1-token prompt, 0 new tokens, a full context, eos inside the "
                  "prompt, an eos id that comes up) match model.generate(do_sample=False), with "
                  "one prefill and then one token per forward call on a growing cache")
