@@ -48,8 +48,9 @@ def step_fn(model, batch_size: int, seq_len: int, seed: int = 0):
 
         def step():
             with torch.no_grad():
-                cache._len = seq_len           # rewind: the next write goes to position seq_len again
-                return model(ids[:, seq_len:], cache, last_only=True)
+                out = model(ids[:, seq_len:], cache, last_only=True)
+                cache.truncate(seq_len)        # rewind: the next write goes to position seq_len again
+                return out
         return step
     cache = DynamicCache(config=model.config)
     if seq_len:

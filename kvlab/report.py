@@ -44,7 +44,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from . import gpt2, models, timing
+from . import floorbench, gpt2, models, timing
 from .batching import generate_batch
 from .generate import cached_generate, hf_greedy, naive_generate
 
@@ -187,21 +187,6 @@ def _naive_step(hf, ids):
     return lambda: hf(ids, use_cache=False).logits[:, -1].argmax(-1)
 
 
-def _cached_step(hf, ids, p: int):
-    """One decode step at position ``p``: the cache holds positions 0..p-1; each call crops back."""
-    from transformers import DynamicCache
-
-    cache = DynamicCache(config=hf.config)
-    hf(ids[:, :p], cache=cache, use_cache=True)
-    tok = ids[:, p:p + 1]
-
-    def step():
-        nxt = hf(tok, cache=cache, use_cache=True).logits[:, -1].argmax(-1)
-        cache.crop(-1)                     # back to p positions: the next call times the same step
-        return nxt
-    return step
-
-
 @torch.no_grad()
 def per_position(run: Run) -> dict:
     """Chapters 1-2: milliseconds per generated token at position p, without and with the cache."""
@@ -210,7 +195,8 @@ def per_position(run: Run) -> dict:
         hf, _ = run.model(name)
         ids = run.prompt(name, hf.config.n_positions)
         for p in run.points(_fit(hf, run.device, run.plan["positions"], 256), f"per position {name}"):
-            t = run.compare({"naive": _naive_step(hf, ids[:, :p + 1]), "cached": _cached_step(hf, ids, p)})
+            t = run.compare({"naive": _naive_step(hf, ids[:, :p + 1]),
+                             "cached": floorbench.step_fn(hf, 1, p)})     # chapter 7's step, rewound
             rows.append(dict(model=name, position=p, naive_ms=_num(t["naive"].median * 1e3),
                              cached_ms=_num(t["cached"].median * 1e3),
                              ratio=_num(timing.ratio(t["naive"], t["cached"]), 4)))
@@ -271,17 +257,21 @@ def _our_step(ours, ids: torch.Tensor, seq_len: int):
     """One decode step of the hand-built GPT-2 for a batch whose cache holds ``seq_len`` positions.
 
     The cache is never filled by a prefill: a step's time depends on how many positions it attends
-    over, not on their values, so the zeros a fresh cache holds time the same (and a long prefill
-    of a big batch would cost more than the whole grid). Each call writes position ``seq_len`` and
+    over, not on their values, so zeros written straight into the cache time the same (and a long
+    prefill of a big batch would cost more than the whole grid). Each call writes position ``seq_len`` and
     then sets the length back, so every call times the same step.
     """
     cache = ours.new_cache(ids.shape[0], max_len=seq_len + 1)
-    cache._len = seq_len          # PreallocatedCache keeps its length here (no crop method)
+    if seq_len:                   # seq_len positions of zeros, written straight into the cache
+        zeros = torch.zeros(ids.shape[0], ours.config.n_head, seq_len, ours.config.head_dim,
+                            dtype=cache.keys.dtype, device=cache.keys.device)
+        for layer in range(ours.config.n_layer):
+            cache.update(layer, zeros, zeros)
     tok = ids[:, :1]
 
     def step():
         out = ours(tok, cache, last_only=True).argmax(-1)
-        cache._len = seq_len
+        cache.truncate(seq_len)   # back to seq_len positions: every call times the same step
         return out
     return step
 
