@@ -330,7 +330,7 @@ def sync(root: Path = REPO_ROOT, check: bool = False, overwrite: bool = False) -
     for sol, lab_path in lab_pairs(root):
         sol_text, lab_text = render(sol, block)
         if not sol.read_text() == sol_text:
-            stale.append((sol, ["its setup block is out of date"]))
+            stale.append((sol, ["not as regenerated (its setup block, or its JSON formatting)"]))
             if not check:
                 sol.write_text(sol_text)
                 print(f"wrote {sol.relative_to(root)}")
