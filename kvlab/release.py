@@ -42,8 +42,9 @@ CLASSROOM_HEAD = """\
 # points when every cell passes. --require-pass: a lab not started scores 0.
 name: Autograding Tests
 on:
-  - push
-  - repository_dispatch
+  push:
+  repository_dispatch:
+  workflow_dispatch:
 permissions:
   checks: write
   actions: read
