@@ -143,8 +143,18 @@ def label(lab: dict, cell: dict) -> str:
     return f"{check.group(1)} ({where.split(' (')[0]})" if check else where
 
 
+def read_lab(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except ValueError:
+        return None
+
+
 def grade_lab(path: Path, root: Path, cell_timeout: int = 600) -> Row:
-    lab = json.loads(path.read_text())
+    lab = read_lab(path)
+    if lab is None:
+        return Row(path.stem, "in progress", failures=[("the file", "not a notebook (invalid JSON): "
+                                                        "restore it with git, or from labs/backup/")])
     started = L.started(lab)
     if started == []:
         return Row(path.stem, "not started")
@@ -216,8 +226,8 @@ def which_mode(root: Path) -> tuple[str, list[str]]:
     """("learner" | "maintainer", the started labs) from the labs alone."""
     started = []
     for path in find_labs(root):
-        s = L.started(json.loads(path.read_text()))
-        if s is None or s:
+        lab = read_lab(path)
+        if lab is None or L.started(lab) != []:
             started.append(path.name)
     return ("learner" if started else "maintainer"), started
 

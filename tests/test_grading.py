@@ -116,6 +116,15 @@ def test_check_ignores_a_learners_cells_but_not_a_stale_lab(tmp_path):
     assert "cell 3 (exercise cached_generate) was changed in solutions/ after you began it" in r.stdout, r.stdout
 
 
+@pytest.mark.parametrize("path", sorted((REPO_ROOT / "labs").glob("lab*.ipynb")), ids=lambda p: p.name)
+def test_the_repositorys_labs_hold_no_hand_edits(path):
+    """The in-sync check lets a learner's cells through; in the book's own repository there must be
+    none: a lab edited by hand (not through solutions/ and `python -m kvlab.labs`) fails here."""
+    lab = json.loads(path.read_text())
+    mine = labs.learner_cells(lab)
+    assert not mine, f"{path.name}: edited by hand: " + ", ".join(labs.describe(lab, k) for k in mine)
+
+
 def test_the_record_tells_stubs_from_a_learners_code():
     lab = json.loads((REPO_ROOT / "labs" / LAB1).read_text())
     assert labs.started(lab) == [] and labs.learner_cells(lab) == []
@@ -137,6 +146,14 @@ def test_a_fresh_checkout_has_nothing_to_grade():
     assert "0 of 9 started" in r.stdout and "running nbval" not in r.stdout
     assert len(re.findall(r"^lab\d\d\w*\s+not started\s+-$", r.stdout, re.M)) == 9, r.stdout
     assert run("kvlab.grade", "--which").stdout.strip() == "mode=maintainer"
+
+
+def test_a_broken_notebook_is_in_progress_with_a_message(tmp_path):
+    (tmp_path / "labs").mkdir()
+    (tmp_path / "labs" / "lab01_x.ipynb").write_text('{"cells": [')
+    row = grade.grade_lab(tmp_path / "labs" / "lab01_x.ipynb", tmp_path)
+    assert row.status == "in progress" and "invalid JSON" in row.failures[0][1]
+    assert grade.which_mode(tmp_path) == ("learner", ["lab01_x.ipynb"])
 
 
 def test_make_grade_runs_the_grader_module():
