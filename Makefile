@@ -50,6 +50,7 @@ labs-check: venv
 # A learner's scorecard: every started lab in labs/ through nbval, one row per lab (see kvlab/grade.py).
 #   make grade            every lab;   make grade LAB=07   one lab
 # Exits 1 if a started lab fails; a lab not started (every exercise still its stub) is not run.
+# GRADE_ARGS=--require-pass: a lab not started fails too (the GitHub Classroom tests of kvlab.release).
 grade: venv
 	$(PY) -m kvlab.grade $(if $(LAB),--lab $(LAB)) $(GRADE_ARGS)
 
