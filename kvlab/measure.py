@@ -61,7 +61,8 @@ def measured_cache_bytes(cache) -> int:
 
     Works for a transformers ``Cache`` (walks every layer's tensors: ``keys``, ``values``, and the
     quantized copies and scales of quantized layers; skips scalar bookkeeping such as ``StaticCache``'s
-    write position), a kvlab cache (walks its tensor attributes), or a list/tuple of tensors.
+    write position), a kvlab cache (walks its tensor attributes, less the positions it keeps, its
+    ``bookkeeping``: 8 bytes a token, not keys or values), or a list/tuple of tensors.
     Storage is counted once per distinct buffer, whole: a view of a bigger buffer counts the buffer.
     """
     if isinstance(cache, (list, tuple, torch.Tensor)):
@@ -72,7 +73,9 @@ def measured_cache_bytes(cache) -> int:
         return _storage_bytes(t for layer in cache.layers for name, value in vars(layer).items()
                               if name not in _BOOKKEEPING for t in _tensors(value))
     if hasattr(cache, "nbytes") and hasattr(cache, "update"):            # a kvlab cache
-        return _storage_bytes(t for value in vars(cache).values() for t in _tensors(value))
+        skip = getattr(cache, "bookkeeping", ())                          # positions, not keys/values
+        return _storage_bytes(t for name, value in vars(cache).items() if name not in skip
+                              for t in _tensors(value))
     raise ValueError(f"don't know how to read the tensors of a {type(cache).__name__}; pass a "
                      "transformers Cache, a kvlab cache, or a list of tensors")
 
