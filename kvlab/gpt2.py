@@ -201,9 +201,9 @@ class GPT2(nn.Module):
         ragged paged batch.
         """
         B, T = input_ids.shape
-        cache = as_cache(cache)
-        if not torch.compiler.is_compiling():   # checked at the boundary, before any work
-            check_forward(self, input_ids, cache, positions)
+        if not torch.compiler.is_compiling():   # a compiled step gets a cache of the one interface
+            cache = as_cache(cache)
+            check_forward(self, input_ids, cache, positions)   # at the boundary, before any work
         if positions is None:
             positions = (torch.arange(T, device=input_ids.device).expand(B, T) if cache is None
                          else cache.next_positions(B, T, input_ids.device))

@@ -1,0 +1,67 @@
+"""The measurement harness: what bench, the report and every chapter share to check and time generators.
+
+The domain modules (``gpt2``, ``cache``, ``static``, ``paged``, ``serving``, ``quant``) compute; they print,
+plot and tabulate nothing. What turns their results into evidence lives here, once:
+
+* :func:`same_tokens`: a fast wrong generator is not a result, so every timed generator must first give
+  the reference's tokens;
+* :func:`rewinding_step`: one decode step that rewinds its cache afterwards, so every call times the
+  same step (``cache.rewind``, part of every cache's interface);
+* :func:`rewind_and_regenerate`: generate, rewind, regenerate (what speculative decoding relies on);
+* :func:`print_table`: rows of dicts as an aligned text table.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def same_tokens(runs: dict, reference: str | None = None) -> torch.Tensor:
+    """Run every generator of ``runs`` (name -> fn() returning token ids) and require the tokens of
+    ``reference`` (default: the first); returns them. A RuntimeError names the first one that differs."""
+    names = list(runs)
+    reference = reference or names[0]
+    want = runs[reference]().cpu()
+    for name in names:
+        if name != reference and not torch.equal(runs[name]().cpu(), want):
+            raise RuntimeError(f"{name} does not reproduce {reference}'s greedy tokens: not timing it")
+    return want
+
+
+def rewinding_step(model, cache, tokens: torch.Tensor, length: int):
+    """A function that runs ONE forward of ``tokens`` ``[B, T]`` after the ``length`` tokens ``cache``
+    holds and then rewinds the cache to ``length``, so every call measures the same step."""
+
+    def step():
+        with torch.no_grad():
+            out = model(tokens, cache, last_only=True)
+            cache.rewind(length)
+            return out
+    return step
+
+
+@torch.no_grad()
+def rewind_and_regenerate(model, cache, input_ids: torch.Tensor, max_new_tokens: int, back: int):
+    """Greedy ``max_new_tokens`` through ``cache`` (the hand-built GPT-2's ``generate``), then rewind the
+    cache ``back`` tokens and decode them again. Returns ``(first, again)``, the last ``back`` new
+    tokens of both passes: a cache that rewinds correctly gives the same."""
+    from .gpt2 import generate
+
+    out = generate(model, input_ids, max_new_tokens, cache=cache)
+    length = cache.seq_len - back                    # the cache holds every token but the last
+    cache.rewind(length)
+    last, again = out[:, length:length + 1], []
+    for _ in range(back):
+        last = model(last, cache, last_only=True)[:, -1].argmax(-1, keepdim=True)
+        again.append(last)
+    return out[:, length + 1:], torch.cat(again, dim=1)
+
+
+def print_table(rows: list[dict], columns: dict) -> None:
+    """Rows of dicts as an aligned text table; ``columns`` maps a key to ``(header, format)``."""
+    cells = [[fmt.format(r[k]) for k, (_, fmt) in columns.items()] for r in rows]
+    heads = [h for h, _ in columns.values()]
+    widths = [max(len(h), *(len(c[i]) for c in cells)) for i, h in enumerate(heads)]
+    print("  ".join(h.rjust(w) if i else h.ljust(w) for i, (h, w) in enumerate(zip(heads, widths))))
+    for c in cells:
+        print("  ".join(x.rjust(w) if i else x.ljust(w) for i, (x, w) in enumerate(zip(c, widths))))
