@@ -3,8 +3,8 @@
 The domain modules (``gpt2``, ``cache``, ``static``, ``paged``, ``serving``, ``quant``) compute; they print,
 plot and tabulate nothing. What turns their results into evidence lives here, once:
 
-* :func:`same_tokens`: a fast wrong generator is not a result, so every timed generator must first give
-  the reference's tokens;
+* :func:`same_tokens` (and :func:`token_check`, which records rather than refuses): a fast wrong
+  generator is not a result, so every timed generator must first give the reference's tokens;
 * :func:`rewinding_step`: one decode step that rewinds its cache afterwards, so every call times the
   same step (``cache.rewind``, part of every cache's interface);
 * :func:`rewind_and_regenerate`: generate, rewind, regenerate (what speculative decoding relies on);
@@ -16,16 +16,30 @@ from __future__ import annotations
 import torch
 
 
-def same_tokens(runs: dict, reference: str | None = None) -> torch.Tensor:
-    """Run every generator of ``runs`` (name -> fn() returning token ids) and require the tokens of
-    ``reference`` (default: the first); returns them. A RuntimeError names the first one that differs."""
-    names = list(runs)
-    reference = reference or names[0]
-    want = runs[reference]().cpu()
-    for name in names:
-        if name != reference and not torch.equal(runs[name]().cpu(), want):
-            raise RuntimeError(f"{name} does not reproduce {reference}'s greedy tokens: not timing it")
-    return want
+def first_difference(a: torch.Tensor, b: torch.Tensor) -> int | None:
+    """Index (along the last dim) of the first token where ``a`` and ``b`` differ; None if identical,
+    0 if their shapes differ."""
+    if a.shape != b.shape:
+        return 0
+    diff = (a.cpu() != b.cpu()).nonzero()
+    return None if diff.numel() == 0 else int(diff[0, -1])
+
+
+def token_check(runs: dict, reference: str | None = None) -> dict:
+    """Run every generator of ``runs`` (name -> fn() returning token ids) once; for each, where its
+    tokens first differ from ``reference``'s (default: the first generator), None when they do not."""
+    want = runs[reference or next(iter(runs))]()
+    return {name: first_difference(fn(), want) for name, fn in runs.items()}
+
+
+def same_tokens(runs: dict, reference: str | None = None) -> None:
+    """A fast wrong generator is not a result: every generator of ``runs`` must give ``reference``'s
+    tokens (default: the first one's), else a RuntimeError names the first that does not."""
+    reference = reference or next(iter(runs))
+    for name, at in token_check(runs, reference).items():
+        if at is not None:
+            raise RuntimeError(f"{name} does not reproduce {reference}'s greedy tokens (first difference at "
+                               f"token {at}): not timing it")
 
 
 def rewinding_step(model, cache, tokens: torch.Tensor, length: int):

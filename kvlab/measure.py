@@ -19,7 +19,7 @@ from collections.abc import Mapping
 import torch
 
 from .cache import tensor_bytes
-from .memory import _count, _int, _model_from_json, as_dtype
+from .memory import as_dtype, check_count, check_int, model_from_json
 
 #: Per-layer bookkeeping that is not cached keys/values: int64 scalars holding StaticCache's write
 #: position and a sliding-window layer's window size.
@@ -87,7 +87,7 @@ def fill_dynamic_cache(model, seq_len: int, batch_size: int, decode_steps: int =
     Returns the cache, holding ``seq_len`` tokens per sequence (what the formula's ``seq_len`` means)."""
     from transformers import DynamicCache
 
-    seq_len, batch_size = _count(seq_len, "seq_len"), _int(batch_size, "batch_size")
+    seq_len, batch_size = check_count(seq_len, "seq_len"), check_int(batch_size, "batch_size")
     decode_steps = min(decode_steps, seq_len - 1) if seq_len > 1 else 0
     device = next(model.parameters()).device
     g = torch.Generator().manual_seed(seed)
@@ -107,7 +107,7 @@ def fill_dynamic_cache(model, seq_len: int, batch_size: int, decode_steps: int =
 @functools.lru_cache(maxsize=16)
 def _random_model(config_json: str, model_type: str, dtype: torch.dtype):
     torch.manual_seed(0)
-    return _model_from_json(config_json, model_type, dtype=dtype).eval()
+    return model_from_json(config_json, model_type, dtype=dtype).eval()
 
 
 def measure_config(config, seq_len: int, batch_size: int, dtype) -> int:
