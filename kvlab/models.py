@@ -309,8 +309,9 @@ def check_device(device, source: str | None = None) -> torch.device:
     if device.type == "cuda":
         n = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if n == 0:
+            build = f"built for CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
             raise ValueError(f"{what} asks for CUDA, but torch sees no CUDA GPU here (torch "
-                             f"{torch.__version__}, built for CUDA {torch.version.cuda}); {fix}")
+                             f"{torch.__version__}, {build}); {fix}")
         if device.index is not None and device.index >= n:
             raise ValueError(f"{what}: this machine has {n} CUDA GPU(s), cuda:0 to cuda:{n - 1}; "
                              f"pick one of those, or {fix}")
