@@ -55,6 +55,8 @@ def all_models() -> dict[str, dict]:
 def human_bytes(n: float, binary: bool = True) -> str:
     """``16777216 -> '16.0 MiB'`` (binary, powers of 1024) or ``'16.8 MB'`` (decimal, powers of 1000)."""
     base, units = (1024, ["B", "KiB", "MiB", "GiB", "TiB"]) if binary else (1000, ["B", "kB", "MB", "GB", "TB"])
+    if isinstance(n, bool) or not isinstance(n, (int, float)):
+        raise ValueError(f"human_bytes takes a number of bytes, got {n!r}")
     x, i = float(n), 0
     while abs(x) >= base and i < len(units) - 1:
         x /= base
@@ -95,9 +97,13 @@ def _check_setting(config, seq_len, batch_size, dtype, weights_dtype, gpus_gb):
     for value, what in ((seq_len, "seq_len"), (batch_size, "batch_size")):
         if isinstance(value, bool):
             raise ValueError(f"{what} must be an int >= 0, got {value!r}")
+    if isinstance(gpus_gb, (int, float)):
+        raise ValueError(f"gpus_gb is a list of GPU sizes in GiB, got the single number {gpus_gb}; "
+                         f"pass [{gpus_gb}]")
     bad = [g for g in gpus_gb if isinstance(g, bool) or not isinstance(g, (int, float)) or not 0 < g < float("inf")]
     if bad:
-        raise ValueError(f"gpus_gb lists GPU memory sizes in GiB, each a number > 0; got {bad[0]!r} in {list(gpus_gb)}")
+        raise ValueError(f"gpus_gb lists GPU memory sizes in GiB, each a number > 0; got {bad[0]!r} "
+                         f"in {list(gpus_gb)}")
     return config, as_dtype(dtype), as_dtype(weights_dtype)
 
 

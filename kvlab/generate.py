@@ -95,6 +95,13 @@ def check_prompt(prompt, vocab_size: int | None = None) -> list[int]:
     return [int(x) for x in prompt]
 
 
+def _counts(**counts) -> None:
+    """Each named value must be an int >= 0 (a count of tokens or positions)."""
+    for what, n in counts.items():
+        if not _is_int(n) or n < 0:
+            raise ValueError(f"{what} must be an int >= 0 (a count of tokens), got {n!r}")
+
+
 def check_token_id(token_id, vocab_size: int | None = None, what: str = "eos_token_id") -> int:
     """One token id (an end-of-text id, say): an int in ``[0, vocab_size)``, not a list or a bool."""
     if not _is_int(token_id):
@@ -170,11 +177,13 @@ def hf_greedy(model, input_ids: torch.Tensor, max_new_tokens: int, use_cache: bo
 
 def positions_processed_naive(prompt_len: int, new_tokens: int) -> int:
     """Token-positions a naive generator pushes through the model: T + (T+1) + ... + (T+N-1)."""
+    _counts(prompt_len=prompt_len, new_tokens=new_tokens)
     return sum(prompt_len + i for i in range(new_tokens))
 
 
 def positions_processed_cached(prompt_len: int, new_tokens: int) -> int:
     """With a cache: the prompt once, then one position per further token."""
+    _counts(prompt_len=prompt_len, new_tokens=new_tokens)
     return prompt_len + max(new_tokens - 1, 0) if new_tokens else 0
 
 
@@ -188,6 +197,7 @@ def forward_flops(config, n_new: int, n_past: int = 0, all_logits: bool = True) 
     (transformers computes all of them unless told otherwise). Embeddings, norms and softmax are
     left out: they are a few percent at most.
     """
+    _counts(n_new=n_new, n_past=n_past)
     d, L, V = config.n_embd, config.n_layer, config.vocab_size
     n, t = n_new, n_past + n_new
     per_layer = 24 * n * d * d + 4 * n * t * d

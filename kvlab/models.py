@@ -209,6 +209,10 @@ def _load_folder(path: Path, dtype):
     except Exception as e:  # noqa: BLE001 - whatever transformers raises, say which folder it was
         raise ModelNotAvailable(f"could not load the checkpoint in {path}: {type(e).__name__}: {e}. "
                                 "Copy the folder again from a save_pretrained output") from e
+    if len(tok) > model.config.vocab_size:   # ids past the embedding would fail (or worse) mid-generation
+        raise ModelNotAvailable(f"the tokenizer in {path} has {len(tok)} tokens but the model's vocabulary "
+                                f"has {model.config.vocab_size}: the tokenizer files belong to another model; "
+                                "copy the ones saved with this checkpoint")
     return model, tok
 
 
@@ -383,7 +387,7 @@ def window_loss(model, ids, window: int = 512, batch: int = 8,
     every predicted position (``window - 1`` per window). Returns ``(mean loss in nats, windows)``;
     the perplexity is ``exp`` of the loss.
     """
-    ids = torch.as_tensor(ids, dtype=torch.long).flatten()
+    ids = _window_args(model, ids, window, batch, max_windows)
     n = ids.numel() // window
     if n == 0:
         raise ValueError(f"need at least {window} tokens, got {ids.numel()}")
@@ -402,6 +406,25 @@ def window_loss(model, ids, window: int = 512, batch: int = 8,
         count += x[:, 1:].numel()
     model.train(was_training)
     return total / count, windows.shape[0]
+
+
+def _window_args(model, ids, window, batch, max_windows) -> torch.Tensor:
+    """Check :func:`window_loss`'s arguments; return the ids as a flat LongTensor (never rounded)."""
+    from .generate import _is_int, check_vocab
+    from .memory import context_length
+
+    ids = torch.as_tensor(ids)
+    if ids.dtype == torch.bool or ids.is_floating_point() or ids.is_complex():
+        raise ValueError(f"ids must be integer token ids, got {ids.dtype}; pass tokenizer(text).input_ids")
+    ids = ids.long().flatten()
+    check_vocab(model, ids)
+    ctx = context_length(model)
+    for value, what, lo in ((window, "window", 2), (batch, "batch", 1), (max_windows, "max_windows", 1)):
+        if not (value is None and what == "max_windows") and (not _is_int(value) or value < lo):
+            raise ValueError(f"{what} must be an int >= {lo}, got {value!r}")
+    if ctx is not None and window > ctx:
+        raise ValueError(f"window={window} exceeds the model's context of {ctx} positions; pass at most that")
+    return ids
 
 
 def stamp(model, device=None) -> str:

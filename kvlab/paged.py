@@ -203,8 +203,8 @@ def batched_gather(pool: torch.Tensor, tables: list[list[int]], lengths: list[in
     whose contents ``valid`` hides.
     """
     if not tables or len(lengths) != len(tables):
-        raise ValueError(f"batched_gather needs one length per block table and at least one of each, got "
-                         f"{len(tables)} table(s) and {len(lengths)} length(s)")
+        raise ValueError(f"batched_gather needs one length per block table (and at least one table): got "
+                         f"{len(tables)} tables but {len(lengths)} lengths; pass lengths=[n for each table]")
     for i, (t, n) in enumerate(zip(tables, lengths)):
         _check_gather(pool, t, n, f"lengths[{i}]")
     bs, width = pool.shape[2], max(len(t) for t in tables)

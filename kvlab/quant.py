@@ -116,6 +116,7 @@ def absmax_per_tensor_fake_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Te
     ``x``'s own float dtype: the "quantized" tensor takes exactly as many bytes as ``x``, and one
     outlier channel sets the step for every other channel. Dequantize with ``q * scale``.
     """
+    check_finite(x)
     scale = x.abs().amax().clamp(min=torch.finfo(x.dtype).tiny) / 127
     return torch.round(x / scale).clamp(-127, 127), scale          # still float: nothing saved
 
