@@ -53,8 +53,12 @@ def quantize(x: torch.Tensor, bits: int, dim) -> tuple[torch.Tensor, torch.Tenso
     ``[0, 2**bits - 1]``; ``scale`` and ``zero_point`` have ``x``'s dtype and its shape with ``dim``
     reduced to 1 (``keepdim``), so they broadcast against ``q``.
     """
-    levels = 2 ** check_bits(bits) - 1
     check_finite(x)
+    return _minmax(x, 2 ** check_bits(bits) - 1, dim)
+
+
+def _minmax(x: torch.Tensor, levels: int, dim):
+    """:func:`quantize` on an already checked ``x``, onto the codes ``0 .. levels``."""
     lo = x.amin(dim=dim, keepdim=True)
     hi = x.amax(dim=dim, keepdim=True)
     scale = (hi - lo) / levels
@@ -97,10 +101,11 @@ def quantize_groups(x: torch.Tensor, bits: int, group_size: int):
     Returns ``(q, scale, zero_point)`` with ``q`` shaped like ``x`` and one scale per group:
     ``[..., n_channels // group_size, 1]``. Smaller groups isolate outliers, at the price of more scales.
     """
+    check_finite(x)                          # on x itself, so that an index it reports is x's
     d = x.shape[-1]
     if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size <= 0 or d % group_size:
         raise ValueError(f"group_size must be an int that divides the channel count {d}, got {group_size!r}")
-    q, scale, zp = quantize(x.reshape(*x.shape[:-1], d // group_size, group_size), bits, dim=-1)
+    q, scale, zp = _minmax(x.reshape(*x.shape[:-1], d // group_size, group_size), 2 ** check_bits(bits) - 1, -1)
     return q.reshape(x.shape), scale, zp
 
 
