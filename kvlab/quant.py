@@ -51,7 +51,8 @@ def quantize(x: torch.Tensor, bits: int, dim) -> tuple[torch.Tensor, torch.Tenso
 
     Returns ``(q, scale, zero_point)``: ``q`` is ``torch.uint8`` with the shape of ``x`` and values in
     ``[0, 2**bits - 1]``; ``scale`` and ``zero_point`` have ``x``'s dtype and its shape with ``dim``
-    reduced to 1 (``keepdim``), so they broadcast against ``q``.
+    reduced to 1 (``keepdim``), so they broadcast against ``q``. A NaN or inf in ``x`` is refused
+    (:func:`check_finite`): it would make its whole slice NaN.
     """
     check_finite(x)
     return _minmax(x, 2 ** check_bits(bits) - 1, dim)
