@@ -61,7 +61,7 @@ def check_count(value, what: str) -> int:
     return check_int(value, what, minimum=0)
 
 
-def _config_of(config):
+def config_of(config):
     """The config itself, or a model's ``.config`` when a model was passed."""
     if not isinstance(config, Mapping) and hasattr(config, "config") and not hasattr(config, "to_dict"):
         return config.config
@@ -76,7 +76,7 @@ def kv_dims(config) -> tuple[int, int, int]:
     ``hidden_size``). An explicit ``head_dim`` wins over ``hidden_size / num_attention_heads``.
     Accepts a config object, a dict, or a model (its ``.config``).
     """
-    config = _config_of(config)
+    config = config_of(config)
     if config is None or isinstance(config, (str, bytes, int, float)):
         raise ValueError(f"expected a transformers config (or a dict of its fields), got {config!r}")
     n_layer = config_field(config, "num_hidden_layers", "n_layer", "num_layers")
@@ -118,14 +118,14 @@ def kv_dims(config) -> tuple[int, int, int]:
 def context_length(config) -> int | None:
     """The longest sequence a model attends over (GPT-2: ``n_positions``, 1024), from a config, a
     dict (the open-models table's ``context``) or a model; None when the config does not say."""
-    n = config_field(_config_of(config), "context", "max_position_embeddings", "n_positions")
+    n = config_field(config_of(config), "context", "max_position_embeddings", "n_positions")
     return None if n is None else int(n)
 
 
 def attention_kind(config) -> str:
     """``MHA`` (a K/V head per query head), ``MQA`` (one K/V head) or ``GQA`` (in between)."""
     _, n_kv, _ = kv_dims(config)
-    n_head = config_field(_config_of(config), "num_attention_heads", "n_head")
+    n_head = config_field(config_of(config), "num_attention_heads", "n_head")
     return "MHA" if n_kv == n_head else "MQA" if n_kv == 1 else f"GQA ({n_head // n_kv} q/kv)"
 
 

@@ -24,6 +24,7 @@ copied before anyone appends to it (copy-on-write).
 
 from __future__ import annotations
 
+import operator
 from collections import deque
 
 import torch
@@ -37,7 +38,19 @@ class OutOfBlocks(RuntimeError):
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
     """Blocks needed to hold ``num_tokens`` tokens: ``ceil(num_tokens / block_size)``."""
-    return -(-num_tokens // block_size)
+    _count(block_size, "block_size", minimum=1)
+    return -(-_count(num_tokens, "num_tokens") // block_size)
+
+
+def _count(value, what: str, minimum: int = 0) -> int:
+    """``value`` as an int >= ``minimum``; a bool, a float or a smaller number is refused."""
+    try:
+        n = None if isinstance(value, bool) else operator.index(value)
+    except TypeError:
+        n = None
+    if n is None or n < minimum:
+        raise ValueError(f"{what} must be an int >= {minimum}, got {value!r}")
+    return n
 
 
 class BlockAllocator:
@@ -48,8 +61,8 @@ class BlockAllocator:
     """
 
     def __init__(self, num_blocks: int, block_size: int):
-        if not isinstance(num_blocks, int) or not isinstance(block_size, int) or min(num_blocks, block_size) < 1:
-            raise ValueError(f"num_blocks and block_size must be ints >= 1, got {num_blocks!r}, {block_size!r}")
+        _count(num_blocks, "num_blocks (blocks in the pool)", minimum=1)
+        _count(block_size, "block_size (token slots per block)", minimum=1)
         self.num_blocks, self.block_size = num_blocks, block_size
         self._free = deque(range(num_blocks))        # FIFO: the least recently freed block goes out first
         self._refcount = [0] * num_blocks
@@ -67,6 +80,7 @@ class BlockAllocator:
         return blocks
 
     def _table(self, seq_id) -> list[int]:
+        _check_seq_id(seq_id)
         if seq_id not in self._tables:
             raise KeyError(f"unknown sequence {seq_id!r}: allocate() or fork() it first")
         return self._tables[seq_id]
@@ -74,10 +88,9 @@ class BlockAllocator:
     # -- the contract ---------------------------------------------------------------------------
     def allocate(self, seq_id, num_tokens: int) -> list[int]:
         """Block table of a new sequence that holds ``num_tokens`` tokens (its prompt)."""
-        if seq_id in self._tables:
+        if _check_seq_id(seq_id) in self._tables:
             raise ValueError(f"sequence {seq_id!r} already has blocks; free() it first")
-        if not isinstance(num_tokens, int) or num_tokens < 0:
-            raise ValueError(f"num_tokens must be an int >= 0, got {num_tokens!r}")
+        _count(num_tokens, "num_tokens (the prompt's length)")
         self._tables[seq_id] = self._take(blocks_for(num_tokens, self.block_size))  # all or nothing
         self._lengths[seq_id] = num_tokens
         return list(self._tables[seq_id])
@@ -85,7 +98,7 @@ class BlockAllocator:
     def fork(self, parent_id, child_id) -> None:
         """The child starts as a copy of the parent: same blocks (shared, counted), same length."""
         table = self._table(parent_id)
-        if child_id in self._tables:
+        if _check_seq_id(child_id) in self._tables:
             raise ValueError(f"sequence {child_id!r} already exists")
         for b in table:
             self._refcount[b] += 1
@@ -132,6 +145,9 @@ class BlockAllocator:
         return list(self._table(seq_id))
 
     def refcount(self, block: int) -> int:
+        """How many block tables hold ``block`` (0: it is free)."""
+        if not _is_block_id(block, self.num_blocks):
+            raise ValueError(f"block must be a block id, an int in [0, {self.num_blocks}), got {block!r}")
         return self._refcount[block]
 
     @property
@@ -139,8 +155,45 @@ class BlockAllocator:
         return len(self._free)
 
 
+def _is_block_id(b, num_blocks: int) -> bool:
+    """An integer (Python, numpy or a 0-d tensor; not a bool) in ``[0, num_blocks)``."""
+    if isinstance(b, bool):
+        return False
+    try:
+        return 0 <= operator.index(b) < num_blocks
+    except TypeError:
+        return False
+
+
+def _check_seq_id(seq_id):
+    """A sequence id is a dict key: it must be hashable (a str, an int, a tuple...)."""
+    try:
+        hash(seq_id)
+    except TypeError:
+        raise ValueError(f"a sequence id must be hashable (an int or a str, say), got the "
+                         f"{type(seq_id).__name__} {seq_id!r}") from None
+    return seq_id
+
+
 # ---------------------------------------------------------------------------------------------------
 # Reading a sequence's keys back
+
+
+def _check_gather(pool: torch.Tensor, table, seq_len, what: str = "seq_len") -> None:
+    """``pool`` is ``[num_blocks, heads, block_size, head_dim]``; ``table`` lists block ids of that
+    pool; ``seq_len`` is an int that fits in the table."""
+    if not isinstance(pool, torch.Tensor) or pool.dim() != 4:
+        raise ValueError("pool must be one layer's keys or values, a tensor [num_blocks, heads, block_size, "
+                         f"head_dim], got {getattr(pool, 'shape', type(pool).__name__)}; index the layer first")
+    _count(seq_len, what)
+    bad = [b for b in table if not _is_block_id(b, pool.shape[0])]
+    if bad:
+        raise ValueError(f"block table {list(table)} holds {bad[0]!r}, not a block id of this pool "
+                         f"(ints in [0, {pool.shape[0]})); pass the allocator's block_table(seq_id)")
+    if seq_len > len(table) * pool.shape[2]:
+        raise ValueError(f"{what}={seq_len} needs {blocks_for(seq_len, pool.shape[2])} blocks of "
+                         f"{pool.shape[2]} but the table has {len(table)}: ask for at most "
+                         f"{len(table) * pool.shape[2]} positions, or reserve more blocks first")
 
 
 def paged_gather(pool: torch.Tensor, block_table, seq_len: int) -> torch.Tensor:
@@ -149,10 +202,8 @@ def paged_gather(pool: torch.Tensor, block_table, seq_len: int) -> torch.Tensor:
     ``pool`` is one layer's keys (or values), ``[num_blocks, heads, block_size, head_dim]``. The
     blocks are read in the order of the table (the order of the tokens), not the order of their ids.
     """
+    _check_gather(pool, block_table, seq_len)
     bs = pool.shape[2]
-    if seq_len > len(block_table) * bs:
-        raise ValueError(f"seq_len={seq_len} needs {blocks_for(seq_len, bs)} blocks of {bs} but the table "
-                         f"has {len(block_table)}")
     if seq_len == 0:
         return pool.new_zeros(pool.shape[1], 0, pool.shape[3])
     blocks = [pool[b] for b in block_table[:blocks_for(seq_len, bs)]]   # each [heads, block_size, head_dim]
@@ -166,6 +217,11 @@ def batched_gather(pool: torch.Tensor, tables: list[list[int]], lengths: list[in
     slots, ``valid`` is ``[batch, S]`` (True on real positions). Short tables are padded with block 0,
     whose contents ``valid`` hides.
     """
+    if not tables or len(lengths) != len(tables):
+        raise ValueError(f"batched_gather needs one length per block table (and at least one table): got "
+                         f"{len(tables)} tables but {len(lengths)} lengths; pass lengths=[n for each table]")
+    for i, (t, n) in enumerate(zip(tables, lengths)):
+        _check_gather(pool, t, n, f"lengths[{i}]")
     bs, width = pool.shape[2], max(len(t) for t in tables)
     idx = torch.zeros(len(tables), width, dtype=torch.long)
     for i, t in enumerate(tables):

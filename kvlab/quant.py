@@ -58,9 +58,15 @@ def quantize(x: torch.Tensor, bits: int, dim) -> tuple[torch.Tensor, torch.Tenso
 
     Returns ``(q, scale, zero_point)``: ``q`` is ``torch.uint8`` with the shape of ``x`` and values in
     ``[0, 2**bits - 1]``; ``scale`` and ``zero_point`` have ``x``'s dtype and its shape with ``dim``
-    reduced to 1 (``keepdim``), so they broadcast against ``q``.
+    reduced to 1 (``keepdim``), so they broadcast against ``q``. A NaN or inf in ``x`` is refused
+    (:func:`check_finite`): it would make its whole slice NaN.
     """
-    levels = 2 ** check_bits(bits) - 1
+    check_finite(x)
+    return _minmax(x, 2 ** check_bits(bits) - 1, dim)
+
+
+def _minmax(x: torch.Tensor, levels: int, dim):
+    """:func:`quantize` on an already checked ``x``, onto the codes ``0 .. levels``."""
     lo = x.amin(dim=dim, keepdim=True)
     hi = x.amax(dim=dim, keepdim=True)
     scale = (hi - lo) / levels
@@ -69,6 +75,22 @@ def quantize(x: torch.Tensor, bits: int, dim) -> tuple[torch.Tensor, torch.Tenso
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))
     q = torch.round((x - lo) / scale).clamp_(0, levels).to(torch.uint8)   # round, never truncate
     return q, scale, lo
+
+
+def check_finite(x: torch.Tensor) -> None:
+    """``x`` must be a non-empty floating-point tensor of finite numbers: one NaN or inf in a slice
+    makes its min/max (so its scale, so every code of the slice) NaN, silently."""
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+        raise ValueError(f"quantize expects a floating-point tensor (the keys or values), got "
+                         f"{getattr(x, 'dtype', type(x).__name__)}")
+    if x.numel() == 0:
+        raise ValueError(f"cannot quantize an empty tensor (shape {list(x.shape)}): there is no min or max")
+    finite = torch.isfinite(x)
+    if not bool(finite.all()):
+        where = (~finite).nonzero()[0].tolist()
+        raise ValueError(f"x holds {int((~finite).sum())} NaN/inf value(s), the first {x[tuple(where)].item()} "
+                         f"at index {where}; a non-finite value would turn its whole slice to NaN. Find where "
+                         "it came from (an fp16 overflow?) before quantizing")
 
 
 def dequantize(q: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor) -> torch.Tensor:
@@ -87,10 +109,11 @@ def quantize_groups(x: torch.Tensor, bits: int, group_size: int):
     Returns ``(q, scale, zero_point)`` with ``q`` shaped like ``x`` and one scale per group:
     ``[..., n_channels // group_size, 1]``. Smaller groups isolate outliers, at the price of more scales.
     """
+    check_finite(x)                          # on x itself, so that an index it reports is x's
     d = x.shape[-1]
-    if group_size <= 0 or d % group_size:
-        raise ValueError(f"group_size must divide the channel count {d}, got {group_size}")
-    q, scale, zp = quantize(x.reshape(*x.shape[:-1], d // group_size, group_size), bits, dim=-1)
+    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size <= 0 or d % group_size:
+        raise ValueError(f"group_size must be an int that divides the channel count {d}, got {group_size!r}")
+    q, scale, zp = _minmax(x.reshape(*x.shape[:-1], d // group_size, group_size), 2 ** check_bits(bits) - 1, -1)
     return q.reshape(x.shape), scale, zp
 
 
@@ -106,6 +129,7 @@ def absmax_per_tensor_fake_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Te
     ``x``'s own float dtype: the "quantized" tensor takes exactly as many bytes as ``x``, and one
     outlier channel sets the step for every other channel. Dequantize with ``q * scale``.
     """
+    check_finite(x)
     scale = x.abs().amax().clamp(min=torch.finfo(x.dtype).tiny) / 127
     return torch.round(x / scale).clamp(-127, 127), scale          # still float: nothing saved
 
@@ -115,10 +139,13 @@ def absmax_per_tensor_fake_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Te
 def pack(q: torch.Tensor, bits: int) -> torch.Tensor:
     """Pack ``8 // bits`` codes per byte along the last axis (8 bits: returned as is; chapter 5)."""
     per = 8 // check_bits(bits)
-    if q.dtype != torch.uint8:
-        raise ValueError(f"pack expects torch.uint8 codes, got {q.dtype}")
+    _check_codes(q, "pack")
     if per == 1:
         return q
+    top = int(q.max()) if q.numel() else 0
+    if top > 2 ** bits - 1:
+        raise ValueError(f"a {bits}-bit code is at most {2 ** bits - 1}, but q holds {top}: it would spill into "
+                         f"its neighbour's bits. Pack the codes quantize(x, {bits}, dim) returns")
     if q.shape[-1] % per:
         raise ValueError(f"the last axis ({q.shape[-1]}) must be a multiple of {per} to pack {bits}-bit codes")
     q = q.reshape(*q.shape[:-1], -1, per)
@@ -131,10 +158,18 @@ def pack(q: torch.Tensor, bits: int) -> torch.Tensor:
 def unpack(p: torch.Tensor, bits: int) -> torch.Tensor:
     """The inverse of :func:`pack`: the last axis grows ``8 // bits`` times."""
     per = 8 // check_bits(bits)
+    _check_codes(p, "unpack")
     if per == 1:
         return p
     mask = 2 ** bits - 1
     return torch.stack([(p >> (bits * i)) & mask for i in range(per)], dim=-1).flatten(-2)
+
+
+def _check_codes(q, what: str) -> None:
+    if not isinstance(q, torch.Tensor) or q.dtype != torch.uint8:
+        raise ValueError(f"{what} expects torch.uint8 codes, got {getattr(q, 'dtype', type(q).__name__)}")
+    if q.dim() == 0:
+        raise ValueError(f"{what} works along the last axis: give it a tensor of at least one axis, not a 0-d one")
 
 
 def pack_4bit(q: torch.Tensor) -> torch.Tensor:
