@@ -229,7 +229,7 @@ class Engine:
 
     def run(self, progress: bool = False) -> list[Request]:
         """Step until every submitted request has finished; returns them in submission order."""
-        from tqdm.auto import tqdm
+        from .progress import bar as tqdm
 
         bar = tqdm(total=len(self.queue) + len(self.running), desc=self.policy, leave=False, disable=not progress)
         while self.step():
@@ -350,7 +350,7 @@ def run_floor(eng: Engine, bandwidth: float, flops: float) -> float:
 
 def compare_policies(model, workload, repeats: int = 1, policies=("continuous", "static"), **kwargs):
     """Serve ``workload`` under each policy, ``repeats`` times, interleaved (A, B, A, B, ...)."""
-    from tqdm.auto import tqdm
+    from .progress import bar as tqdm
 
     runs = {p: [] for p in policies}
     for _ in tqdm(range(repeats), desc="rounds", leave=False):
