@@ -94,7 +94,7 @@ def record_steps(model, input_ids, new_tokens: int) -> list[dict]:
         hook.remove()
     H, E = model.config.n_head, model.config.n_embd
     q = seen["qkv"][0, -1, :E].view(H, E // H)                      # the last token's query, per head
-    steps[-1].update(q=q.float(), keys=layer.keys[0].float(), values=layer.values[0].float())
+    steps[-1].update(q=q.float().cpu(), keys=layer.keys[0].float().cpu(), values=layer.values[0].float().cpu())
     return steps
 
 
@@ -155,7 +155,8 @@ def query_against_cache(step: dict, head: int = 0, dims: int = 16) -> Drawing:
     alt = (f"The new query of head {head} is scored against all {S} stored keys (first {dims} of {D} "
            f"dimensions shown); the softmax weights, largest at position {top} ({float(w[top]):.2f}), mix "
            f"the {S} stored values into the output. No key or value of an earlier position is recomputed.")
-    return Drawing(fig, alt, "One decode step: a single new query reads every stored key and value.")
+    return Drawing(fig, alt, "The newest position's query scored against every stored key, and the "
+                             "stored values mixed by those weights.")
 
 
 # ------------------------------------------------------------------------------------------ chapter 3
@@ -316,7 +317,7 @@ def roofline(peak_flops: float, bandwidth: float, points: dict, what: str = "") 
     return Drawing(fig, alt, "Left of the ridge a kernel waits for memory; right of it, for arithmetic.")
 
 
-def static_buffer(max_len: int, position: int, batch: int = 1) -> Drawing:
+def static_buffer(max_len: int, position: int, batch: int = 1, name: str = "static cache") -> Drawing:
     """A static cache's buffer of ``max_len`` slots (e.g. ``cache.max_len``) and its position pointer
     (``int(cache.position)``): slots before it hold tokens, the rest are allocated and unused."""
     fig, (ax,) = _figure(min(0.3 * max_len + 1.5, 7.5), 0.45 * batch + 1.1)
@@ -327,10 +328,10 @@ def static_buffer(max_len: int, position: int, batch: int = 1) -> Drawing:
                 arrowprops=dict(arrowstyle="-|>", lw=0.8))
     ax.set_ylim(0, batch + 1.3)
     ax.set_xlabel(f"slot (0 .. {max_len - 1}); the next token is written at slot {position}", fontsize=8)
-    alt = (f"A static cache buffer of {max_len} slots per row, allocated once; {position} are filled and "
+    alt = (f"A {name} buffer of {max_len} slots per row, allocated once; {position} are filled and "
            f"the position pointer is at slot {position}, where the next key and value will be written. "
-           f"The other {max_len - position} slots hold nothing yet; the mask hides them.")
-    return Drawing(fig, alt, "A static cache: fixed shapes, one moving position.")
+           f"The other {max_len - position} slots hold nothing yet, and no query attends to them.")
+    return Drawing(fig, alt, f"A {name}: one buffer allocated once, written in place at one moving position.")
 
 
 def block_tables(allocator, seq_ids, title: str = "") -> Drawing:
