@@ -30,6 +30,7 @@ class Table:
     rows: list[list[str]]
     caption: str = ""
     align: list[str] = field(default_factory=list)
+    collapsed: bool = False
 
     def _repr_html_(self) -> str:
         e = html.escape
@@ -37,8 +38,12 @@ class Table:
         head = "".join(f'<th style="text-align:{a}">{e(h)}</th>' for h, a in zip(self.header, self.align))
         body = "".join("<tr>" + "".join(f'<td style="text-align:{a}">{e(c)}</td>'
                                         for c, a in zip(r, self.align)) + "</tr>" for r in self.rows)
-        return (f'<table class="kvlab-table">{cap}<thead><tr>{head}</tr></thead>'
-                f"<tbody>{body}</tbody></table>")
+        table = (f'<table class="kvlab-table">{"" if self.collapsed else cap}<thead><tr>{head}</tr></thead>'
+                 f"<tbody>{body}</tbody></table>")
+        if self.collapsed:   # one line on the page; the rows one click away
+            summary = e(self.caption or f"{len(self.rows)} rows")
+            return f'<details class="kvlab-table"><summary>{summary}</summary>{table}</details>'
+        return table
 
     def _repr_markdown_(self) -> str:
         def line(cells):
@@ -68,13 +73,15 @@ def _in_notebook() -> bool:
     return shell is not None and hasattr(shell, "kernel")
 
 
-def show(rows, columns=None, caption: str = "", formats: dict | None = None, display: bool = True) -> Table:
+def show(rows, columns=None, caption: str = "", formats: dict | None = None, display: bool = True,
+         collapsed: bool = False) -> Table:
     """Show ``rows`` as a table and return it.
 
     ``rows``: dicts (the union of their keys, in order of appearance, is the header unless
     ``columns`` names the columns to show) or sequences (then ``columns`` names them).
     ``formats`` maps a column to a format spec (``".2f"``) or a function; floats default to 4
-    significant digits. Numbers are right-aligned. In a notebook the table is displayed as HTML, else
+    significant digits. Numbers are right-aligned. In a notebook the table is displayed as HTML
+    (``collapsed``: folded under its caption, for a long table whose gist a line above states), else
     printed; ``display=False`` only returns it.
     """
     rows, formats = list(rows), formats or {}
@@ -89,7 +96,7 @@ def show(rows, columns=None, caption: str = "", formats: dict | None = None, dis
     numeric = [all(isinstance(r[i], (int, float)) and not isinstance(r[i], bool) for r in rows
                    if r[i] is not None) and any(r[i] is not None for r in rows) for i in range(len(columns))]
     table = Table(columns, [[_cell(v, formats.get(c)) for v, c in zip(r, columns)] for r in rows], caption,
-                  ["right" if n else "left" for n in numeric])
+                  ["right" if n else "left" for n in numeric], collapsed)
     if display:
         if _in_notebook():
             from IPython.display import display as ipy_display

@@ -32,3 +32,10 @@ def test_bad_rows_are_refused_with_the_fix():
         tables.show([[1, 2]], display=False)
     with pytest.raises(ValueError, match="every row needs 2 cells"):
         tables.show([[1, 2], [3]], columns=["a", "b"], display=False)
+
+
+def test_a_collapsed_table_is_one_line_until_opened():
+    t = tables.show([{"a": i} for i in range(54)], caption="54 caches, all equal", collapsed=True, display=False)
+    html = t._repr_html_()
+    assert html.startswith('<details class="kvlab-table"><summary>54 caches, all equal</summary><table')
+    assert html.count("<tr>") == 55 and "<caption>" not in html
