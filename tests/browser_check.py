@@ -110,15 +110,17 @@ PAGE_PROBE = r"""async () => {
   const errors = outputs.filter(o => o.matches('.traceback, .error') || o.querySelector('.traceback, .error')
       || /Traceback \(most recent call last\)|Error in callback/.test(o.textContent))
       .map(o => o.textContent.trim().slice(0, 120));
-  // nothing a reader needs behind a horizontal scroll bar: an output block (or a shown listing)
-  // wider than its box, i.e. one the reader would have to scroll sideways
-  const boxes = [...main.querySelectorAll('.cell_output pre, .cell_output table, .cell_output .output, '
-      + '.cell_output > div, .cell_input pre, div.highlight pre, .table-wrapper, table')];
-  const scrolls = boxes.filter(b => b.scrollWidth > b.clientWidth + 2 && b.clientWidth > 0)
+  // nothing a reader needs behind a horizontal scroll bar: any block of the page that scrolls
+  // sideways (outputs, listings, tables in their scrollable containers), or that reaches past the
+  // text column
+  const scrolls = [...main.querySelectorAll('*')].filter(b => b.clientWidth > 0
+      && b.scrollWidth > b.clientWidth + 2 && /auto|scroll/.test(getComputedStyle(b).overflowX))
       .map(b => b.textContent.trim().split('\n')[0].slice(0, 80));
-  const wide = [...main.querySelectorAll('.cell_output, .cell_input, table')].filter(b =>
-      b.getBoundingClientRect().right > main.getBoundingClientRect().right + 2)
-      .map(b => 'past the column: ' + b.textContent.trim().slice(0, 80));
+  const column = main.querySelector('article') || main;
+  const right = column.getBoundingClientRect().right;
+  const wide = [...column.querySelectorAll('.cell_output, .cell_input, table, pre, img')].filter(b =>
+      b.getBoundingClientRect().right > right + 2)
+      .map(b => 'past the column: ' + (b.textContent || b.getAttribute('src') || '').trim().slice(0, 80));
   // a progress bar left in a page (tqdm's text "45%|####  | 9/20 [00:01<...]"), frozen where the build left it
   const bars = outputs.filter(o => PROGRESS_BAR.test(o.textContent)).map(o => o.textContent.trim().slice(0, 80));
   return {images: main.querySelectorAll('img').length, broken, maths: maths.length, untypeset, raw, errors,
@@ -135,6 +137,8 @@ PAGE_PROBE = PAGE_PROBE.replace("PROGRESS_BAR", f"new RegExp({json.dumps(PROGRES
 _SELF_TEST = {
     "wide": '<main style="width:600px"><div class="cell_output"><pre style="white-space:pre;overflow:auto">'
             + "x " * 400 + "</pre></div></main>",
+    "table": '<main style="width:600px"><article><div style="overflow-x:auto"><table><tr>'
+             + "<td style='white-space:nowrap'>a wide cell</td>" * 40 + "</tr></table></div></article></main>",
     "bar": '<main><div class="cell_output"><div class="output"><pre>timing rounds:   0%|          | 0/3 '
            "[00:00&lt;?, ?it/s]</pre></div></div></main>",
     "clean": '<main style="width:600px"><div class="cell_output"><pre style="white-space:pre-wrap">'
@@ -151,6 +155,8 @@ def self_test(page) -> list[str]:
     problems = []
     if not found["wide"]["scrolls"]:
         problems.append("self-test: the probe missed an output block that needs horizontal scrolling")
+    if not found["table"]["scrolls"]:
+        problems.append("self-test: the probe missed a table in a container that scrolls sideways")
     if not found["bar"]["bars"]:
         problems.append("self-test: the probe missed a progress bar left in an output")
     if found["clean"]["scrolls"] or found["clean"]["bars"]:
@@ -172,7 +178,7 @@ def check_page(page, base: str, name: str, shots: Path) -> tuple[list[str], dict
     problems += [f"equation not typeset: {t!r}" for t in probe["untypeset"]]
     problems += [f"raw TeX on the page: {t!r}" for t in probe["raw"]]
     problems += [f"error output: {t!r}" for t in probe["errors"]]
-    problems += [f"output needs horizontal scrolling: {t!r}" for t in probe["scrolls"]]
+    problems += [f"needs horizontal scrolling: {t!r}" for t in probe["scrolls"]]
     problems += [f"progress bar left in the page: {t!r}" for t in probe["bars"]]
     page.screenshot(path=str(shots / f"{name.replace('/', '__')}.png"))
     if probe["maths"]:   # the first displayed equation, close up
