@@ -74,7 +74,7 @@ def _in_notebook() -> bool:
 
 
 def show(rows, columns=None, caption: str = "", formats: dict | None = None, display: bool = True,
-         collapsed: bool = False) -> Table:
+         collapsed: bool = False) -> Table | None:
     """Show ``rows`` as a table and return it.
 
     ``rows``: dicts (the union of their keys, in order of appearance, is the header unless
@@ -82,7 +82,8 @@ def show(rows, columns=None, caption: str = "", formats: dict | None = None, dis
     ``formats`` maps a column to a format spec (``".2f"``) or a function; floats default to 4
     significant digits. Numbers are right-aligned. In a notebook the table is displayed as HTML
     (``collapsed``: folded under its caption, for a long table whose gist a line above states), else
-    printed; ``display=False`` only returns it.
+    printed, and nothing is returned (a cell ending in ``show(...)`` would show it twice);
+    ``display=False`` only returns it.
     """
     rows, formats = list(rows), formats or {}
     if rows and isinstance(rows[0], dict):
@@ -97,10 +98,11 @@ def show(rows, columns=None, caption: str = "", formats: dict | None = None, dis
                    if r[i] is not None) and any(r[i] is not None for r in rows) for i in range(len(columns))]
     table = Table(columns, [[_cell(v, formats.get(c)) for v, c in zip(r, columns)] for r in rows], caption,
                   ["right" if n else "left" for n in numeric], collapsed)
-    if display:
-        if _in_notebook():
-            from IPython.display import display as ipy_display
-            ipy_display(table)
-        else:
-            print(table)
-    return table
+    if not display:
+        return table
+    if _in_notebook():
+        from IPython.display import display as ipy_display
+        ipy_display(table)
+    else:
+        print(table)
+    return None

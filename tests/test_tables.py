@@ -7,8 +7,9 @@ from kvlab import tables
 
 def test_dict_rows_render_as_html_markdown_and_text(capsys):
     rows = [{"cache": "dynamic", "MiB": 12.5, "ok": True}, {"cache": "static <fixed>", "MiB": 3, "ok": False}]
-    t = tables.show(rows, caption="memory")
-    printed = capsys.readouterr().out            # outside a notebook: printed as text
+    assert tables.show(rows, caption="memory") is None     # shown once, not also as a cell's result
+    printed = capsys.readouterr().out                       # outside a notebook: printed as text
+    t = tables.show(rows, caption="memory", display=False)
     assert printed.strip() == str(t)
     lines = str(t).splitlines()
     assert lines[0] == "memory" and lines[1].split() == ["cache", "MiB", "ok"]
