@@ -246,20 +246,22 @@ def quant_axes(x: torch.Tensor, bits: int, quantize) -> Drawing:
     lim = float(x.abs().max())
     axes[0].imshow(x.numpy(), cmap="RdBu_r", vmin=-lim, vmax=lim, aspect="auto")
     axes[0].set(title="keys", xlabel="channel", ylabel="position")
-    errs = {}
-    for ax, dim, name in ((axes[1], -1, "per token"), (axes[2], 0, "per channel")):
+    errs, maps = {}, {}
+    for dim, name in ((-1, "per token"), (0, "per channel")):
         q, scale, zero = quantize(x, bits, dim)
-        err = (q.float() * scale + zero - x).abs()
-        errs[name] = (tuple(scale.shape), float(err.mean()))
-        ax.imshow(err.numpy(), cmap="Reds", vmin=0, aspect="auto")
-        ax.set(title=f"{name}: scales {list(scale.shape)}\nmean |error| {errs[name][1]:.3f}", xlabel="channel")
+        maps[name] = (q.float() * scale + zero - x).abs()
+        errs[name] = (tuple(scale.shape), float(maps[name].mean()))
+    top = float(max(m.max() for m in maps.values()))          # one colour scale for both errors
+    for ax, name in zip(axes[1:], maps):
+        ax.imshow(maps[name].numpy(), cmap="Reds", vmin=0, vmax=top, aspect="auto")
+        ax.set(title=f"{name}: scales {list(errs[name][0])}\nmean |error| {errs[name][1]:.3f}", xlabel="channel")
         ax.set_yticks([])
         ax.title.set_fontsize(8)
     axes[0].title.set_fontsize(8)
     (tok_shape, tok_err), (ch_shape, ch_err) = errs["per token"], errs["per channel"]
     alt = (f"A {x.shape[0]} by {x.shape[1]} key matrix and its {bits}-bit quantization error. One scale per "
            f"token (scales {list(tok_shape)}) gives a mean error of {tok_err:.3f}; one scale per channel "
-           f"(scales {list(ch_shape)}) gives {ch_err:.3f}. Darker red is a larger error.")
+           f"(scales {list(ch_shape)}) gives {ch_err:.3f}. Darker red is a larger error, on one scale for both.")
     return Drawing(fig, alt, "Which axis gets a scale: a whole row (token) or a whole column (channel) "
                              "shares one step size.")
 
