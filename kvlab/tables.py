@@ -9,7 +9,18 @@ plain aligned text.
 from __future__ import annotations
 
 import html
+import re
 from dataclasses import dataclass, field
+
+
+_NUMBER = re.compile(r"[+-]?[\d,]*\.?\d+(e[+-]?\d+)?\s*(x|%|ms|s|µs|[KMG]i?B)?\*?")
+
+
+def _numeric(value) -> bool:
+    """A number, or text that shows one ("1,024", "2.5x", "12%", "3.1 MiB"): right-aligned."""
+    if isinstance(value, bool):
+        return False
+    return isinstance(value, (int, float)) or (isinstance(value, str) and bool(_NUMBER.fullmatch(value.strip())))
 
 
 def _cell(value, fmt) -> str:
@@ -94,8 +105,8 @@ def show(rows, columns=None, caption: str = "", formats: dict | None = None, dis
     columns = [str(c) for c in columns]
     if any(len(r) != len(columns) for r in rows):
         raise ValueError(f"every row needs {len(columns)} cells (one per column: {columns})")
-    numeric = [all(isinstance(r[i], (int, float)) and not isinstance(r[i], bool) for r in rows
-                   if r[i] is not None) and any(r[i] is not None for r in rows) for i in range(len(columns))]
+    numeric = [all(_numeric(r[i]) for r in rows if r[i] not in (None, ""))
+               and any(r[i] not in (None, "") for r in rows) for i in range(len(columns))]
     table = Table(columns, [[_cell(v, formats.get(c)) for v, c in zip(r, columns)] for r in rows], caption,
                   ["right" if n else "left" for n in numeric], collapsed)
     if not display:

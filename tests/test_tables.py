@@ -40,3 +40,10 @@ def test_a_collapsed_table_is_one_line_until_opened():
     html = t._repr_html_()
     assert html.startswith('<details class="kvlab-table"><summary>54 caches, all equal</summary><table')
     assert html.count("<tr>") == 55 and "<caption>" not in html
+
+
+@pytest.mark.parametrize("cell, right", [("1,049,600", True), ("2.50x", True), ("+0.04%", True), ("72.0 MiB*", True),
+                                         ("1.8e-06", True), ("per tensor", False), ("True", False), ("", True)])
+def test_numbers_shown_as_text_are_right_aligned(cell, right):
+    t = tables.show([{"c": cell}, {"c": "3"}], display=False)
+    assert t.align == ["right" if right else "left"]
