@@ -268,28 +268,34 @@ def quant_axes(x: torch.Tensor, bits: int, quantize) -> Drawing:
 
 # ------------------------------------------------------------------------------------------ chapter 6
 
-def padded_batch(input_ids, attention_mask, position_ids, tokenizer=None) -> Drawing:
-    """A left-padded batch as :func:`kvlab.batching.make_batch` built it: one cell per token, grey for
-    a pad (attention mask 0), the token and its position id in each real cell."""
+def padded_batch(input_ids, attention_mask, position_ids=None, tokenizer=None, title: str = "") -> Drawing:
+    """A padded batch as :func:`kvlab.batching.make_batch` (or a tokenizer) built it: one cell per
+    token, grey for a pad (attention mask 0), the token and (if given) its position id in each cell."""
     B, T = input_ids.shape
-    colours = [[SEEN if attention_mask[b, t] else PAD for t in range(T)] for b in range(B)]
-    labels = [[(f"{tokenizer.decode([int(input_ids[b, t])]).strip()[:5]}\n" if tokenizer and attention_mask[b, t]
-                else "pad\n" if not attention_mask[b, t] else "") + f"{int(position_ids[b, t])}"
-               for t in range(T)] for b in range(B)]
-    fig, (ax,) = _figure(min(0.6 * T + 1.2, 7.5), 0.55 * B + 1.0)
-    _grid(ax, colours, labels, fontsize=6)
-    for b in range(B):
-        for t in range(T):
-            if attention_mask[b, t]:
-                ax.texts[b * T + t].set_color("white")
-    ax.set_yticks([B - 0.5 - b for b in range(B)], [f"row {b}" for b in range(B)], fontsize=7)
-    ax.set_title("token / position id; grey: pad (attention mask 0)", fontsize=8)
+    real = [[bool(attention_mask[b, t]) for t in range(T)] for b in range(B)]
+
+    def label(b, t):
+        tok_id = int(input_ids[b, t])
+        word = "pad" if not real[b][t] else tokenizer.decode([tok_id]).strip()[:6] if tokenizer else str(tok_id)
+        return word + (f"\n{int(position_ids[b, t])}" if position_ids is not None else "")
+    fig, (ax,) = _figure(min(0.72 * T + 1.0, 9.0), 0.62 * B + 0.9)
+    _grid(ax, [[SEEN if real[b][t] else PAD for t in range(T)] for b in range(B)],
+          [[label(b, t) for t in range(T)] for b in range(B)], fontsize=8)
+    for text, (b, t) in zip(ax.texts, [(b, t) for b in range(B) for t in range(T)]):
+        text.set_color("white" if real[b][t] else "black")
+    ax.set_yticks([B - 0.5 - b for b in range(B)], [f"row {b}" for b in range(B)], fontsize=8)
+    ax.set_title(title or ("token / position id; " if position_ids is not None else "") + "grey: pad (attention mask 0)",
+                 fontsize=9)
     pads = [int((attention_mask[b] == 0).sum()) for b in range(B)]
-    alt = (f"A batch of {B} prompts padded on the left to {T} tokens; pads per row: {pads}. Pads have "
-           f"attention mask 0; each row's real tokens have position ids 0, 1, 2, ... from its first real "
-           f"token, so the last column holds every row's newest token.")
+    side = "left" if all(real[b][-1] for b in range(B)) else "right"
+    alt = (f"A batch of {B} prompts padded on the {side} to {T} tokens; pads per row: {pads}. Pads have "
+           f"attention mask 0" + ("; each row's real tokens have position ids 0, 1, 2, ... from its first real "
+                                  "token" if position_ids is not None else "")
+           + (", and the last column holds every row's newest token." if side == "left"
+              else ", and the last column of a padded row is a pad."))
     return Drawing(fig, alt, "Left padding: every row ends in the same column, and position ids count "
-                             "only the real tokens.")
+                             "only the real tokens." if side == "left" else
+                             "Right padding: a short row's last column is a pad.")
 
 
 # ------------------------------------------------------------------------------- chapters 7, 8 and 9

@@ -55,6 +55,10 @@ def test_layout_gqa_quant_and_batch(tiny):
     ids, mask, pos = batching.make_batch(tok, ["And God said", "In the beginning God created"])
     d = _is_drawing(draw.padded_batch(ids, mask, pos, tok))
     assert f"pads per row: {[int((mask[b] == 0).sum()) for b in range(2)]}" in d.alt
+    assert "padded on the left" in d.alt and "last column holds every row's newest token" in d.alt
+    right_ids, right_mask = ids.flip(-1), mask.flip(-1)            # the same rows, padded on the right
+    d = _is_drawing(draw.padded_batch(right_ids, right_mask, title="padding_side='right'"))
+    assert "padded on the right" in d.alt and "last column of a padded row is a pad" in d.alt
 
 
 def test_generic_diagrams_for_chapters_7_to_9():
