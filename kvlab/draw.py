@@ -163,8 +163,10 @@ def query_against_cache(step: dict, head: int = 0, dims: int = 16) -> Drawing:
 
 def probe_mask(attention_fn, past_len: int, T: int) -> torch.Tensor:
     """Which keys each of ``T`` new queries may see, read off ``attention_fn(q, k, v, past_len)``
-    itself: equal scores and one-hot values make each output row a uniform average of the visible
-    keys. Returns a bool ``[T, past_len + T]``."""
+    itself, the function the model calls, so the drawing cannot disagree with it: equal scores and
+    one-hot values make each output row a uniform average of the visible keys. Returns a bool
+    ``[T, past_len + T]``. :func:`masks` takes any such tensor; a mask rule that returns one
+    directly (a function of query and key positions) needs no probe."""
     S = past_len + T
     q, k = torch.zeros(1, 1, T, S), torch.zeros(1, 1, S, S)
     v = torch.eye(S)[None, None]
