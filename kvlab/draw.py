@@ -280,7 +280,7 @@ def padded_batch(input_ids, attention_mask, position_ids=None, tokenizer=None, t
         tok_id = int(input_ids[b, t])
         word = "pad" if not real[b][t] else tokenizer.decode([tok_id]).strip()[:6] if tokenizer else str(tok_id)
         return word + (f"\n{int(position_ids[b, t])}" if position_ids is not None else "")
-    fig, (ax,) = _figure(min(0.72 * T + 1.0, 9.0), 0.62 * B + 0.9)
+    fig, (ax,) = _figure(min(0.62 * T + 1.0, 7.5), 0.55 * B + 0.9)
     _grid(ax, [[SEEN if real[b][t] else PAD for t in range(T)] for b in range(B)],
           [[label(b, t) for t in range(T)] for b in range(B)], fontsize=8)
     for text, (b, t) in zip(ax.texts, [(b, t) for b in range(B) for t in range(T)]):
@@ -295,9 +295,10 @@ def padded_batch(input_ids, attention_mask, position_ids=None, tokenizer=None, t
                                   "token" if position_ids is not None else "")
            + (", and the last column holds every row's newest token." if side == "left"
               else ", and the last column of a padded row is a pad."))
-    return Drawing(fig, alt, "Left padding: every row ends in the same column, and position ids count "
-                             "only the real tokens." if side == "left" else
-                             "Right padding: a short row's last column is a pad.")
+    caption = ("Left padding: every row ends in the same column" + (", and position ids count only the real "
+               "tokens." if position_ids is not None else ".") if side == "left"
+               else "Right padding: a short row's last column is a pad.")
+    return Drawing(fig, alt, caption)
 
 
 # ------------------------------------------------------------------------------- chapters 7, 8 and 9
