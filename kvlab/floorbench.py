@@ -17,7 +17,7 @@ import os
 import sys
 
 import torch
-from tqdm.auto import tqdm
+from .progress import bar as tqdm   # no frozen bar in a page built unwatched
 
 from . import gpt2, harness, plots, roofline, timing
 from .generate import cached_generate, hf_greedy

@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from tqdm.auto import tqdm
+from .progress import bar as tqdm   # no frozen bar in a page built unwatched
 
 from . import floorbench, gpt2, harness, models, timing
 from .cli import at_least, check_writable, positive_seconds

@@ -181,7 +181,7 @@ class Engine:
 
     def run(self, progress: bool = False) -> list[Request]:
         """Step until every submitted request has finished; returns them in submission order."""
-        from tqdm.auto import tqdm
+        from .progress import bar as tqdm
 
         bar = tqdm(total=len(self.queue) + len(self.running), desc=self.policy, leave=False, disable=not progress)
         while self.step():

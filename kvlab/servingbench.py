@@ -12,7 +12,7 @@ from .serving import Engine, serve
 
 def compare_policies(model, workload, repeats: int = 1, policies=("continuous", "static"), **kwargs):
     """Serve ``workload`` under each policy, ``repeats`` times, interleaved (A, B, A, B, ...)."""
-    from tqdm.auto import tqdm
+    from .progress import bar as tqdm
 
     runs = {p: [] for p in policies}
     for _ in tqdm(range(repeats), desc="rounds", leave=False):
