@@ -42,12 +42,14 @@ class Trace:
         self.steps: list[dict] = []
         self.token_times: dict = defaultdict(list)
 
-    def step(self, t: float, batch, emitted, blocks, waiting: int) -> None:
+    def step(self, start: float, t: float, batch, emitted, blocks, scheduler) -> None:
         decode = batch.decode_tokens
         self.steps.append(dict(
-            step=len(self.steps) + 1, time=t, tokens=batch.num_tokens, seqs=len(batch.work),
+            step=len(self.steps) + 1, start=start, time=t, tokens=batch.num_tokens, seqs=len(batch.work),
             decode_tokens=decode, prefill_tokens=batch.num_tokens - decode, logit_rows=len(emitted),
-            context=batch.context, blocks_used=blocks.num_blocks - blocks.num_free,
-            waiting=waiting, preempted=len(batch.preempted), copies=len(batch.copies)))
+            context=batch.context, pairs=batch.pairs, blocks_used=blocks.num_blocks - blocks.num_free,
+            waiting=len(scheduler.waiting), running=len(scheduler.running), preempted=len(batch.preempted),
+            copies=len(batch.copies), held=sum(s.num_computed for s in scheduler.running),
+            reserved=max(scheduler.reserved, blocks.num_blocks - blocks.num_free)))
         for seq in emitted:
             self.token_times[seq.rid].append(t)

@@ -121,13 +121,14 @@ class Engine:
     def step(self) -> bool:
         """One step: let in the requests that have arrived, schedule, run the model once over the
         step's tokens, append the new tokens, retire the finished. False when nothing is left."""
-        self._let_in(self.clock.now())
+        start = self.clock.now()
+        self._let_in(start)
         batch = self.scheduler.schedule()
         if not batch.work:
             return self._idle()
         tokens = self._run(batch)                 # one forward; a failing request fails alone
         emitted = self._advance(batch, tokens)
-        self.trace.step(self.clock.now(), batch, emitted, self.blocks, len(self.scheduler.waiting))
+        self.trace.step(start, self.clock.now(), batch, emitted, self.blocks, self.scheduler)
         return True
 
     def _let_in(self, now: float) -> None:

@@ -14,18 +14,24 @@ from __future__ import annotations
 
 import torch
 
+from ..cache import Cache
 from ..paged import PagedKVCache
 from .sequence import Sequence
 
 EMPTY = -1   # a key slot no query may see (kvlab.cache.EMPTY)
 
 
-class RaggedStep:
-    """The cache the forward sees for one ragged step over a paged pool."""
+class RaggedStep(Cache):
+    """The cache the forward sees for one ragged step over a paged pool (one row: ``batch_size = 1``,
+    positions that restart at each sequence: ``ragged``)."""
+
+    ragged, batch_size = True, 1
 
     def __init__(self, pool, slots, key_slots, key_pos, spans, gather=None):
         self.pool, self.gather, self.spans = pool, gather, spans   # spans: (block table, length) per sequence
         dev = pool.keys.device
+        _, _, self.n_head, _, self.head_dim = pool.keys.shape
+        self.dtype, self.device = pool.keys.dtype, dev
         self.blocks, self.offsets = (torch.tensor(x, dtype=torch.long, device=dev) for x in zip(*slots))
         self.key_blocks, self.key_offsets = (torch.tensor(x, dtype=torch.long, device=dev) for x in zip(*key_slots))
         self.key_pos = key_pos.to(dev)                  # [1, N, S]
@@ -47,6 +53,16 @@ class RaggedStep:
 
     def reset(self):
         raise RuntimeError("a RaggedStep lives for one step; the engine frees blocks, not the forward")
+
+    def rewind(self, length: int):
+        raise RuntimeError("a RaggedStep lives for one step; rewind a sequence through the engine")
+
+    def last_positions(self):
+        return None          # each sequence's positions are checked by the scheduler, not per row
+
+    @property
+    def nbytes(self) -> int:
+        return 0             # it owns no storage: the pool does
 
 
 def ragged_inputs(work: list[tuple[Sequence, int]], block_size: int):
@@ -93,8 +109,9 @@ class Runner:
         token (None for a prompt chunk that does not)."""
         ids, pos, slots, key_slots, key_pos, spans, select = ragged_inputs(work, self.pool.block_size)
         view = RaggedStep(self.pool, slots, key_slots, key_pos, spans, self.gather)
-        logits = self.model(ids.to(self.device), cache=view, positions=pos.to(self.device))   # [1, N, vocab]
-        new = logits[0, torch.tensor(select, dtype=torch.long, device=logits.device)].argmax(-1).tolist()
+        rows = torch.tensor(select, dtype=torch.long, device=self.device)
+        logits = self.model(ids.to(self.device), cache=view, positions=pos.to(self.device), select=rows)
+        new = logits[0].argmax(-1).tolist()       # the LM head ran only on the rows that get a token
         out, it = [], iter(new)
         for seq, n in work:
             out.append(next(it) if seq.num_computed + n == seq.num_tokens else None)

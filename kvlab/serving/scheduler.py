@@ -44,6 +44,7 @@ class Batch:
     preempted: list[Sequence] = field(default_factory=list)
     decode_tokens: int = 0     # tokens of sequences that were decoding (the rest are prompt or recompute)
     context: int = 0           # keys already cached for the step's sequences, before the step
+    pairs: int = 0             # (query, visible key) pairs the step's attention scores
 
     @property
     def num_tokens(self) -> int:
@@ -106,6 +107,7 @@ class Scheduler:
         self._schedule_waiting(batch)
         batch.decode_tokens = sum(n for s, n in batch.work if s.output and s.to_compute == 1)
         batch.context = sum(s.num_computed for s, _ in batch.work)
+        batch.pairs = sum((2 * s.num_computed + n + 1) * n // 2 for s, n in batch.work)   # sum of p + 1
         return batch
 
     def _schedule_running(self, batch: Batch) -> None:
