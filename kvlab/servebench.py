@@ -181,7 +181,7 @@ def _random_tokens(rng, n, vocab):
     return tuple(rng.randrange(1, vocab) for _ in range(n))
 
 
-def prepared_steps(model, rows: int, context: int, prompt_len: int, block_size: int = 16):
+def prepared_steps(model, rows: int, context: int, prompt_len: int, block_size: int = 16, gather=None):
     """A runner with ``rows`` sequences of ``context`` cached tokens, each due one decode token, and
     one new prompt of ``prompt_len`` tokens: ``(runner, decode work, prefill work)``. Running a step
     does not advance anything (the engine does), so the same step can be timed again and again."""
@@ -189,7 +189,7 @@ def prepared_steps(model, rows: int, context: int, prompt_len: int, block_size: 
 
     nb = rows * blocks_for(context + 1, block_size) + blocks_for(prompt_len, block_size)
     bm = BlockManager(nb, block_size, prefix_caching=False)
-    runner, rng, vocab = Runner(model, PagedKVCache.for_model(model, nb, block_size)), random.Random(0), \
+    runner, rng, vocab = Runner(model, PagedKVCache.for_model(model, nb, block_size), gather), random.Random(0), \
         model.config.vocab_size
     decode = []
     for i in range(rows):
@@ -215,6 +215,42 @@ def mixed_step_timings(model, rows: int, context: int, prompt_len: int, repeats:
            "one ragged step (both)": lambda: runner.run(decode + prefill),
            "padded to the prompt": lambda: torch.no_grad()(model)(padded)}
     return compare(fns, warmup=1, repeats=repeats, progress=False)
+
+
+def block_size_timings(model, variants: dict, rows: int, context: int, repeats: int = 5) -> dict:
+    """Median seconds of one decode step of ``rows`` sequences holding ``context`` tokens each, per
+    variant ``name -> (block_size, gather)`` (``gather=None``: one indexing op for the whole step)."""
+    from .timing import compare
+
+    fns = {}
+    for name, (bs, gather) in variants.items():
+        runner, decode, _ = prepared_steps(model, rows, context, 1, bs, gather)
+        fns[name] = lambda runner=runner, decode=decode: runner.run(decode)
+    return compare(fns, warmup=1, repeats=repeats, progress=False)
+
+
+def reserved_vs_used(lengths: list[int], max_len: int, batch_size: int, block_sizes) -> list[dict]:
+    """Token slots reserved vs used to hold sequences of the given final ``lengths``, per scheme:
+    ``max_len`` per sequence (chapter 3's cache); a growing cache per static batch of ``batch_size``
+    (every row as long as its batch's longest); paged blocks of each size, counted by running lab 9's
+    :class:`~kvlab.paged.BlockAllocator` one token at a time."""
+    from .paged import BlockAllocator, blocks_for
+
+    used = sum(lengths)
+    rows = [dict(scheme=f"reserve max_len={max_len} per sequence", reserved=len(lengths) * max_len)]
+    padded = sum(len(lengths[i:i + batch_size]) * max(lengths[i:i + batch_size])
+                 for i in range(0, len(lengths), batch_size))
+    rows.append(dict(scheme=f"growing cache, static batches of {batch_size}", reserved=padded))
+    for bs in block_sizes:
+        alloc = BlockAllocator(sum(blocks_for(n, bs) for n in lengths), bs)
+        for i, n in enumerate(lengths):
+            alloc.allocate(i, 1)
+            for _ in range(n - 1):      # grow one token at a time, as decoding does
+                alloc.append_slot(i)
+        rows.append(dict(scheme=f"paged, block_size={bs}", reserved=(alloc.num_blocks - alloc.num_free) * bs))
+    for r in rows:
+        r["used"], r["waste"] = used, 1 - used / r["reserved"]
+    return rows
 
 
 def chunk_sweep(model, budgets, decoders: int = 4, decode_len: int = 24, long_prompt: int = 160,

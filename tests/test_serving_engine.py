@@ -38,6 +38,7 @@ def _check(eng, seqs):
         assert len(eng.trace.token_times[s.rid]) == len(s.output)      # each token emitted once
     assert eng.blocks.num_free == eng.blocks.num_blocks                # nothing leaked
     assert not eng.scheduler.running and not eng.scheduler.waiting and not eng.pending
+    assert eng.split_steps == 0                                       # every step ran as ONE forward
 
 
 POLICIES = [("on-demand", "continuous", True), ("on-demand", "continuous", False), ("on-demand", "static", True),
@@ -239,4 +240,6 @@ def test_a_request_failing_inside_a_step_fails_alone():
     bad = eng.submit([4, 66, 5], 6)                                   # the model raises on token 66
     eng.run()
     assert bad.status is Status.FAILED and "poisoned" in bad.error and bad.block_table == []
+    assert eng.split_steps == 1
+    eng.split_steps = 0
     _check(eng, good)

@@ -60,6 +60,7 @@ class Engine:
         self.pending: list[Sequence] = []      # submitted, not yet arrived (by arrival time)
         self.seqs: dict = {}                    # every request ever submitted, by id
         self.prefixes: list[Sequence] = []      # explicit shared prefixes (add_prefix), pinned
+        self.split_steps = 0                    # steps whose one forward raised and were rerun per request
 
     # -- requests -------------------------------------------------------------------------------
     def submit(self, prompt, max_new_tokens: int, eos_token_id=None, rid=None, arrival: float = 0.0) -> Sequence:
@@ -148,6 +149,7 @@ class Engine:
         try:
             return self.runner.run(batch.work)
         except Exception:  # noqa: BLE001 - find who failed: each alone (writes are idempotent)
+            self.split_steps += 1
             out = []
             for seq, n in batch.work:
                 try:
