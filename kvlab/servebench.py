@@ -261,7 +261,7 @@ def chunk_sweep(model, budgets, decoders: int = 4, decode_len: int = 24, long_pr
     rng, vocab = random.Random(seed), model.config.vocab_size
     shorts = [(list(_random_tokens(rng, 8, vocab)), decode_len) for _ in range(decoders)]
     big = list(_random_tokens(rng, long_prompt, vocab))
-    rows = {b: dict(budget=b, stall=[], ttft=[], chunks=[]) for b in budgets}
+    rows = {b: dict(budget=b, stall=[], ttft=[], chunks=[], widest=[]) for b in budgets}
     for _ in range(repeats):
         for b in budgets:                     # interleaved: every budget once per round
             eng = Engine(model, num_blocks=(decoders + 1) * 64, block_size=block_size,
@@ -275,7 +275,9 @@ def chunk_sweep(model, budgets, decoders: int = 4, decode_len: int = 24, long_pr
             gaps = [max(b2 - a for a, b2 in zip(t, t[1:])) for r, t in eng.trace.token_times.items() if r != late.rid]
             rows[b]["stall"].append(max(gaps))
             rows[b]["ttft"].append(eng.trace.token_times[late.rid][0] - late.arrival)
-            rows[b]["chunks"].append(sum(1 for t in eng.trace.steps if t["prefill_tokens"] and t["time"] > late.arrival))
+            during = [t for t in eng.trace.steps if t["prefill_tokens"] and t["time"] > late.arrival]
+            rows[b]["chunks"].append(len(during))
+            rows[b]["widest"].append(max(t["tokens"] for t in during))   # tokens a decoder waited behind
     return list(rows.values())
 
 
@@ -327,15 +329,19 @@ def best_of(samples: dict[str, list[float]], what: str, device, lower_is_better:
     from .timing import Timing
     from .verdicts import NOISE, on, told_apart
 
-    sign = 1 if lower_is_better else -1
-    ranked = sorted(samples, key=lambda k: sign * percentile(samples[k], 0.5))
-    a, b = (Timing(k, [sign * x if sign > 0 else 1 / x for x in samples[k]]) for k in ranked[:2])
-    ratio = max(a.median, b.median) / min(a.median, b.median)
-    n = min(len(samples[k]) for k in ranked[:2])
+    ranked = sorted(samples, key=lambda k: percentile(samples[k], 0.5), reverse=not lower_is_better)
+    best, second = ranked[:2]
+    cost = lambda xs: [x if lower_is_better else (1 / x if x > 0 else math.inf) for x in xs]  # noqa: E731
+    a, b = Timing(best, cost(samples[best])), Timing(second, cost(samples[second]))
+    n, where = min(len(a.samples), len(b.samples)), on(device)
+    if math.isinf(a.median):
+        return f"{what}: none of {', '.join(ranked)} had any ({n} round(s) {where})"
     if not told_apart(a, b):
-        return (f"{what}: {ranked[0]} and {ranked[1]} were not told apart (ratio {ratio:.2f}, within "
-                f"{NOISE:.0%} or overlapping over {n} round(s) {on(device)})")
-    return f"{what}: {ranked[0]} is best, {ratio:.2f}x better than {ranked[1]} ({n} round(s) {on(device)})"
+        return (f"{what}: {best} and {second} were not told apart (ratio {b.median / a.median:.2f}, within "
+                f"{NOISE:.0%} or overlapping over {n} round(s) {where})")
+    if math.isinf(b.median):
+        return f"{what}: {best} is best; {second}, the runner-up, had none ({n} round(s) {where})"
+    return f"{what}: {best} is best, {b.median / a.median:.2f}x better than {second} ({n} round(s) {where})"
 
 
 def print_table(rows: list[dict], columns: dict) -> None:
