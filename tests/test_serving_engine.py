@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from fake_lm import FakeLM, fake_reference
+from kvlab.checks._fake import FakeLM, fake_reference
 from kvlab.paged import OutOfBlocks
 from kvlab.serving import BlockManager, Engine, Sequence, Status
 

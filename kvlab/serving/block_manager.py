@@ -32,18 +32,18 @@ class BlockManager:
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {v!r}")
         self.num_blocks, self.block_size, self.prefix_caching = num_blocks, block_size, prefix_caching
-        self._free = deque(range(num_blocks))           # never registered (or wiped): no key
-        self._cached: OrderedDict[int, None] = OrderedDict()   # registered, refcount 0, oldest first
+        self._free = deque(range(num_blocks))             # never registered (or wiped): no key
+        self.cached: OrderedDict[int, None] = OrderedDict()   # registered, unreferenced: least recently used first
         self._ref = [0] * num_blocks
-        self._key = [None] * num_blocks                 # the key a registered block is found by
-        self._by_key: dict = {}                         # key -> block
+        self.key_of: list = [None] * num_blocks           # the key a registered block is found by (None: none)
+        self.block_of: dict = {}                          # key -> the block registered under it
         self.hits = self.hit_tokens = self.evictions = self.copies = 0
 
     # -- queries --------------------------------------------------------------------------------
     @property
     def num_free(self) -> int:
         """Blocks that can be handed out now: the free list plus unreferenced cached blocks."""
-        return len(self._free) + len(self._cached)
+        return len(self._free) + len(self.cached)
 
     def refcount(self, block: int) -> int:
         if isinstance(block, bool) or not isinstance(block, int) or not 0 <= block < self.num_blocks:
@@ -65,8 +65,8 @@ class BlockManager:
             return []
         found = []
         for key in self._keys(list(tokens)[:len(tokens) - 1]):
-            block = self._by_key.get(key)
-            if block is None or self._key[block] != key:
+            block = self.block_of.get(key)
+            if block is None or self.key_of[block] != key:
                 break
             found.append(block)
         return found
@@ -96,16 +96,19 @@ class BlockManager:
                               "preempt a sequence or wait for one to finish")
         out = []
         for _ in range(n):
-            if self._free:
-                b = self._free.popleft()
-            else:                                  # evict the least recently used cached block
-                b, _ = self._cached.popitem(last=False)
-                del self._by_key[self._key[b]]     # forget its key first: it will hold other tokens
-                self._key[b] = None
-                self.evictions += 1
+            b = self._free.popleft() if self._free else self.evict()
             self._ref[b] = 1
             out.append(b)
         return out
+
+    def evict(self) -> int:
+        """Take the least recently used unreferenced cached block out of the cache: forget its key
+        first (it is about to hold other tokens) and return it."""
+        b, _ = self.cached.popitem(last=False)
+        del self.block_of[self.key_of[b]]
+        self.key_of[b] = None
+        self.evictions += 1
+        return b
 
     def allocate(self, seq: Sequence, upto: int) -> list[tuple[int, int]]:
         """Blocks for ``seq`` to hold ``upto`` tokens. A sequence without blocks first takes its
@@ -117,7 +120,7 @@ class BlockManager:
                                   f"{self.num_free} are free")
             hits = self.lookup(seq.tokens)
             for b in hits:                          # a hit forks the cached block
-                self._cached.pop(b, None)
+                self.cached.pop(b, None)
                 self._ref[b] += 1
             seq.block_table = list(hits)
             seq.num_computed = len(hits) * self.block_size
@@ -154,8 +157,8 @@ class BlockManager:
             return
         for i, key in enumerate(self._keys(seq.tokens[:seq.num_computed])):
             b = seq.block_table[i]
-            if self._key[b] is None and key not in self._by_key:   # the first copy of a prefix wins
-                self._key[b], self._by_key[key] = key, b
+            if self.key_of[b] is None and key not in self.block_of:   # the first copy of a prefix wins
+                self.key_of[b], self.block_of[key] = key, b
 
     def free(self, seq: Sequence) -> None:
         """Drop the sequence's references; an unreferenced block goes to the free list, or (if it is
@@ -163,8 +166,8 @@ class BlockManager:
         for b in reversed(seq.block_table):    # the tail first: it is the least likely to be shared
             self._ref[b] -= 1
             if self._ref[b] == 0:
-                if self._key[b] is not None:
-                    self._cached[b] = None
+                if self.key_of[b] is not None:
+                    self.cached[b] = None
                 else:
                     self._free.append(b)
         seq.block_table = []
@@ -204,6 +207,15 @@ class AllocatorBlocks:
 
     def can_hold(self, seq: Sequence, upto: int) -> bool:
         return self.blocks_needed(seq, upto) <= self.num_free
+
+    def evict(self) -> int:
+        """Take the least recently used unreferenced cached block out of the cache: forget its key
+        first (it is about to hold other tokens) and return it."""
+        b, _ = self.cached.popitem(last=False)
+        del self.block_of[self.key_of[b]]
+        self.key_of[b] = None
+        self.evictions += 1
+        return b
 
     def allocate(self, seq: Sequence, upto: int) -> list[tuple[int, int]]:
         if seq.rid in self._room:

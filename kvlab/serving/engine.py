@@ -48,11 +48,12 @@ class Engine:
     def __init__(self, model, num_blocks: int, block_size: int = 16, max_num_batched_tokens: int = 256,
                  max_num_seqs: int = 16, chunked_prefill: bool = True, admission: str = "on-demand",
                  batching: str = "continuous", prefix_caching: bool = True, max_len: int | None = None,
-                 allocator_cls=None, gather=None, clock: Clock | None = None):
+                 allocator_cls=None, gather=None, clock: Clock | None = None, scheduler_cls=Scheduler,
+                 block_manager_cls=BlockManager):
         self.model, self.config = model, model.config
-        self.blocks = (BlockManager(num_blocks, block_size, prefix_caching) if allocator_cls is None
+        self.blocks = (block_manager_cls(num_blocks, block_size, prefix_caching) if allocator_cls is None
                        else AllocatorBlocks(allocator_cls, num_blocks, block_size))
-        self.scheduler = Scheduler(self.blocks, max_num_batched_tokens, max_num_seqs, chunked_prefill, admission,
+        self.scheduler = scheduler_cls(self.blocks, max_num_batched_tokens, max_num_seqs, chunked_prefill, admission,
                                    batching, max_len)
         self.pool = PagedKVCache.for_model(model, num_blocks, block_size)   # the tensors; its allocator is unused
         self.runner = Runner(model, self.pool, gather)
@@ -124,7 +125,7 @@ class Engine:
         step's tokens, append the new tokens, retire the finished. False when nothing is left."""
         start = self.clock.now()
         self._let_in(start)
-        batch = self.scheduler.schedule()
+        batch = self.scheduler.next_batch()
         if not batch.work:
             return self._idle()
         tokens = self._run(batch)                 # one forward; a failing request fails alone

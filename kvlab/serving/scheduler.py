@@ -100,15 +100,39 @@ class Scheduler:
         self.waiting.append(seq)
 
     # -- one step -------------------------------------------------------------------------------
-    def schedule(self) -> Batch:
-        """The next step's work, with every block it needs already taken."""
-        batch = Batch()
-        self._schedule_running(batch)
-        self._schedule_waiting(batch)
+    def next_batch(self) -> Batch:
+        """The next step's work (:meth:`schedule`), with what the trace needs counted before it runs."""
+        batch = self.schedule()
         batch.decode_tokens = sum(n for s, n in batch.work if s.output and s.to_compute == 1)
         batch.context = sum(s.num_computed for s, _ in batch.work)
         batch.pairs = sum((2 * s.num_computed + n + 1) * n // 2 for s, n in batch.work)   # sum of p + 1
         return batch
+
+    def schedule(self) -> Batch:
+        """The next step's work, with every block it needs already taken (see the module's docstring)."""
+        batch = Batch()
+        self._schedule_running(batch)
+        self._schedule_waiting(batch)
+        return batch
+
+    # -- the two moves a schedule is made of ----------------------------------------------------
+    def cached_tokens(self, seq: Sequence) -> int:
+        """Tokens of ``seq`` whose keys it already has or will get from the prefix cache on admission."""
+        return seq.num_computed if seq.block_table else len(self.blocks.lookup(seq.tokens)) * self.blocks.block_size
+
+    def grant(self, batch: Batch, seq: Sequence, n: int) -> None:
+        """Run ``n`` more tokens of ``seq`` in this step: take its blocks (a waiting sequence first takes
+        its prefix-cache hits and becomes running) and add it to the batch. Raises OutOfBlocks, changing
+        nothing, when the pool cannot hold them."""
+        if seq.status is Status.WAITING:
+            batch.copies += self.blocks.allocate(seq, self.cached_tokens(seq) + n)
+            self.waiting.remove(seq)
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+            self.reserved += self.reservation(seq)
+        else:
+            batch.copies += self.blocks.grow(seq, seq.num_computed + n)
+        batch.work.append((seq, n))
 
     def _schedule_running(self, batch: Batch) -> None:
         # decoding sequences first, then prompts still being prefilled: a long prompt never holds
@@ -127,8 +151,7 @@ class Scheduler:
                 if victim is seq:
                     break
             else:
-                batch.copies += self.blocks.grow(seq, seq.num_computed + n)
-                batch.work.append((seq, n))
+                self.grant(batch, seq, n)
 
     def _schedule_waiting(self, batch: Batch) -> None:
         if self.batching == "static" and any(s.output for s in self.running):
@@ -137,17 +160,11 @@ class Scheduler:
             seq = self.waiting[0]
             if self.reserved + self.reservation(seq) > self.capacity:
                 return
-            start = len(self.blocks.lookup(seq.tokens)) * self.blocks.block_size if not seq.block_table \
-                else seq.num_computed
+            start = self.cached_tokens(seq)
             n = min(seq.num_tokens - start, self.max_tokens - batch.num_tokens)
             if (n < seq.num_tokens - start and not self.chunked) or not self.blocks.can_hold(seq, start + n):
                 return                             # wait: no overtaking
-            batch.copies += self.blocks.allocate(seq, start + n)
-            self.waiting.popleft()
-            seq.status = Status.RUNNING
-            self.running.append(seq)
-            self.reserved += self.reservation(seq)
-            batch.work.append((seq, n))
+            self.grant(batch, seq, n)
 
     def preempt(self, seq: Sequence, batch: Batch | None = None) -> None:
         """Recompute preemption: free its blocks, put it first in the queue with all its tokens."""

@@ -1,5 +1,6 @@
 """A fake language model that follows the one-forward contract (``forward(input_ids, cache, positions)``,
-``cache.update(layer, k, v, positions) -> keys, values, key_pos``), for fast tests of serving bookkeeping.
+``cache.update(layer, k, v, positions) -> keys, values, key_pos``): lab 9's graders and the tests use it
+to check serving bookkeeping in milliseconds (one real-model run per grader confirms the rest).
 
 Its next token is a function of every token it can see and their positions, so a key taken from another
 sequence, a stale block, a lost token or a wrong position changes the output: the greedy continuation
@@ -20,7 +21,7 @@ class FakeLM(nn.Module):
         self.dummy = nn.Parameter(torch.zeros(1))
         self.poison, self.calls = poison, []
 
-    def forward(self, input_ids, cache=None, positions=None):
+    def forward(self, input_ids, cache=None, positions=None, select=None):
         B, T = input_ids.shape
         self.calls.append(T)
         if self.poison is not None and bool((input_ids == self.poison).any()):
@@ -38,7 +39,8 @@ class FakeLM(nn.Module):
         mask = (key_pos >= 0) & (key_pos <= positions[..., None])            # [B, T, S]
         weight = values[:, 0, :, 0] * (values[:, 0, :, 1] + 1)               # [B, S]
         score = (mask * weight[:, None, :]).sum(-1).round().long()           # [B, T]
-        return torch.nn.functional.one_hot((score + 7) % cfg.vocab_size, cfg.vocab_size).float()
+        logits = torch.nn.functional.one_hot((score + 7) % cfg.vocab_size, cfg.vocab_size).float()
+        return logits if select is None else logits[:, select]
 
 
 def fake_reference(prompt, max_new_tokens, vocab=97, eos=None):
