@@ -27,7 +27,7 @@ class FakeLM(nn.Module):
         if self.poison is not None and bool((input_ids == self.poison).any()):
             raise ValueError(f"poisoned token {self.poison}")
         if positions is None:
-            positions = torch.arange(T)[None].expand(B, T)
+            positions = torch.arange(T)[None].expand(B, T) if cache is None else cache.next_positions(B, T)
         cfg = self.config
         k = torch.zeros(B, cfg.n_head, T, cfg.head_dim)
         k[..., 0], k[..., 1] = input_ids.float()[:, None], positions.float()[:, None]
@@ -35,7 +35,7 @@ class FakeLM(nn.Module):
             if cache is None:
                 keys, values, key_pos = k, k, positions[:, None, :].expand(B, T, T)
             else:
-                keys, values, key_pos = cache.update(layer, k, k.clone(), positions)
+                keys, values, key_pos = cache.update(layer, k, k.clone(), positions)   # the one interface
         mask = (key_pos >= 0) & (key_pos <= positions[..., None])            # [B, T, S]
         weight = values[:, 0, :, 0] * (values[:, 0, :, 1] + 1)               # [B, S]
         score = (mask * weight[:, None, :]).sum(-1).round().long()           # [B, T]

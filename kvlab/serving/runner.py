@@ -22,12 +22,13 @@ EMPTY = -1   # a key slot no query may see (kvlab.cache.EMPTY)
 
 
 class RaggedStep(Cache):
-    """The cache the forward sees for one ragged step over a paged pool (one row: ``batch_size = 1``,
-    positions that restart at each sequence: ``ragged``)."""
+    """The cache the forward sees for one ragged step over a paged pool: one row (``batch_size = 1``)
+    whose positions are planned here (each token's position in its own sequence), so the model is
+    called with ``positions=None`` and asks :meth:`next_positions`, as for any cache."""
 
-    ragged, batch_size = True, 1
+    batch_size = 1
 
-    def __init__(self, pool, slots, key_slots, key_pos, spans, gather=None):
+    def __init__(self, pool, positions, slots, key_slots, key_pos, spans, gather=None):
         self.pool, self.gather, self.spans = pool, gather, spans   # spans: (block table, length) per sequence
         dev = pool.keys.device
         _, _, self.n_head, _, self.head_dim = pool.keys.shape
@@ -35,9 +36,18 @@ class RaggedStep(Cache):
         self.blocks, self.offsets = (torch.tensor(x, dtype=torch.long, device=dev) for x in zip(*slots))
         self.key_blocks, self.key_offsets = (torch.tensor(x, dtype=torch.long, device=dev) for x in zip(*key_slots))
         self.key_pos = key_pos.to(dev)                  # [1, N, S]
+        self.positions = positions.to(dev)              # [1, N]
         self.n_layer = pool.keys.shape[0]
 
-    def update(self, layer: int, k, v, positions=None):
+    def next_positions(self, batch: int, T: int, device=None):
+        if (batch, T) != tuple(self.positions.shape):
+            raise ValueError(f"this step was planned for [1, {self.positions.shape[1]}] tokens, got [{batch}, {T}]")
+        return self.positions
+
+    def check_room(self, T: int, limit: int) -> None:
+        """Checked per sequence at submit (prompt + max_new_tokens within the context)."""
+
+    def store(self, layer: int, k, v, positions=None):
         """Store the step's ``k``, ``v`` ``[1, H, N, D]``; return the step's sequences' keys, values
         ``[1, H, S, D]`` and ``key_pos [1, N, S]``."""
         K, V = self.pool.keys[layer], self.pool.values[layer]        # [blocks, H, block_size, D]
@@ -58,7 +68,10 @@ class RaggedStep(Cache):
         raise RuntimeError("a RaggedStep lives for one step; rewind a sequence through the engine")
 
     def last_positions(self):
-        return None          # each sequence's positions are checked by the scheduler, not per row
+        return None          # each sequence's positions are planned here, not a row's
+
+    if not hasattr(Cache, "store"):   # the interface before issue 21 called the method update
+        update = store
 
     @property
     def nbytes(self) -> int:
@@ -108,9 +121,9 @@ class Runner:
         """One forward over the step; the new token of each sequence whose chunk ends at its newest
         token (None for a prompt chunk that does not)."""
         ids, pos, slots, key_slots, key_pos, spans, select = ragged_inputs(work, self.pool.block_size)
-        view = RaggedStep(self.pool, slots, key_slots, key_pos, spans, self.gather)
+        view = RaggedStep(self.pool, pos, slots, key_slots, key_pos, spans, self.gather)
         rows = torch.tensor(select, dtype=torch.long, device=self.device)
-        logits = self.model(ids.to(self.device), cache=view, positions=pos.to(self.device), select=rows)
+        logits = self.model(ids.to(self.device), cache=view, select=rows)    # positions: the view's plan
         new = logits[0].argmax(-1).tolist()       # the LM head ran only on the rows that get a token
         out, it = [], iter(new)
         for seq, n in work:
