@@ -25,10 +25,10 @@ V = 97
 
 # (what the case exercises, engine settings, requests, prompt lengths, new tokens, shared prefix length, seed)
 _CASES = [
-    ("a pool that binds (preemption)", dict(num_blocks=10, block_size=4, max_num_batched_tokens=16, max_num_seqs=6),
-     9, (1, 14), (3, 14), 0, 31),
     ("a token budget smaller than the prompts (chunks)", dict(num_blocks=40, block_size=4,
      max_num_batched_tokens=7, max_num_seqs=4), 7, (5, 30), (2, 8), 0, 32),
+    ("a pool that binds (preemption)", dict(num_blocks=10, block_size=4, max_num_batched_tokens=16, max_num_seqs=6),
+     9, (1, 14), (3, 14), 0, 31),
     ("two sequences per step, many waiting", dict(num_blocks=30, block_size=2, max_num_batched_tokens=32,
      max_num_seqs=2), 6, (1, 9), (1, 9), 0, 33),
     ("a shared prefix found in the prefix cache, a tight pool", dict(num_blocks=12, block_size=4,
@@ -65,7 +65,6 @@ def _workload(n, prompt_len, new, prefix_len, seed):
 
 def _snapshot(sch) -> dict:
     return dict(running=list(sch.running), waiting=list(sch.waiting), free=sch.blocks.num_free,
-                todo={id(s): s.to_compute for s in sch.running + list(sch.waiting)},
                 held={id(s): len(s.block_table) for s in sch.running})
 
 
@@ -84,9 +83,9 @@ def _verify_step(sch, snap, batch, where) -> None:
     if len(seqs) > sch.max_seqs:
         raise fail(NAME_SCHED, f"{where}: {len(seqs)} sequences in one step, max_num_seqs is {sch.max_seqs}")
     for s, n in batch.work:
-        if not isinstance(n, int) or n < 1 or n > snap["todo"].get(id(s), 0):
-            raise fail(NAME_SCHED, f"{where}: request {s.rid} got {n!r} tokens but has {snap['todo'].get(id(s), 0)} to "
-                                   "run (num_tokens - num_computed): give it between 1 and that many")
+        if not isinstance(n, int) or n < 1 or n > s.to_compute:
+            raise fail(NAME_SCHED, f"{where}: request {s.rid} got {n!r} tokens but has {s.to_compute} to run "
+                                   "(num_tokens - num_computed): give it between 1 and that many")
         if s.status is not Status.RUNNING or s.num_computed + n > len(s.block_table) * sch.blocks.block_size:
             raise fail(NAME_SCHED, f"{where}: request {s.rid} is scheduled without blocks for its tokens (or is not "
                                    "running): take them with self.grant(batch, seq, n), which also admits a waiting one")
@@ -98,16 +97,17 @@ def _verify_victims(sch, snap, batch, where) -> None:
     from ..serving import Status
 
     victims = [s for s in snap["running"] if s.status is Status.WAITING]
-    scheduled = {id(s) for s, _ in batch.work}
+    logged = {id(v) for v, _, _ in sch.preempt_log}
     for v in victims:
-        newer = [s for s in snap["running"][snap["running"].index(v) + 1:]
-                 if s.status is Status.RUNNING and id(s) not in scheduled]
+        if id(v) not in logged or v not in sch.waiting:
+            raise fail(NAME_SCHED, f"{where}: request {v.rid} lost its blocks but did not go through self.preempt "
+                                   "(which frees them and puts it first in the queue to be recomputed)")
+    for v, scheduled, running in sch.preempt_log:
+        newer = [s for s in running[running.index(v) + 1:] if id(s) not in scheduled]
         if newer:
-            raise fail(NAME_SCHED, f"{where}: you preempted request {v.rid} while request {newer[0].rid}, admitted "
-                                   f"after it, kept its blocks without running: preempt the newest running "
-                                   "sequence first (reversed(self.running)), so the oldest are never starved")
-        if v.output and v not in sch.waiting:
-            raise fail(NAME_SCHED, f"{where}: preempted request {v.rid} is not back in the queue: use self.preempt")
+            raise fail(NAME_SCHED, f"{where}: you preempted request {v.rid} while request {newer[-1].rid}, admitted "
+                                   f"after it, held blocks and had not run in this step: preempt the newest running "
+                                   "sequence not yet scheduled (reversed(self.running)), so the oldest are never starved")
     taken = snap["free"] + sum(snap["held"][id(v)] for v in victims) - sch.blocks.num_free   # at most
     if victims and 0 < taken <= snap["free"]:
         raise fail(NAME_SCHED, f"{where}: you preempted {[v.rid for v in victims]} although the {snap['free']} free "
@@ -147,8 +147,15 @@ def _graded_class(Scheduler, title):
     class Graded(Scheduler):
         step = 0
 
+        def preempt(self, seq, batch=None):
+            """Logged: who was preempted, which sequences had run in this step by then, who was running."""
+            done = {id(s) for s, _ in batch.work} if batch is not None else set()
+            self.preempt_log.append((seq, done, list(self.running)))
+            return super().preempt(seq, batch)
+
         def schedule(self):
             Graded.step += 1
+            self.preempt_log = []
             snap = _snapshot(self)
             try:
                 batch = Scheduler.schedule(self)
@@ -188,7 +195,11 @@ def _run_case(Scheduler, model, case, reference):
             raise fail(NAME_SCHED, f"case '{title}': request {s.rid}'s new token #{i + 1} differs from its prompt "
                                    f"generated alone: {how}")
         if len(eng.trace.token_times[s.rid]) != len(s.output):
-            raise fail(NAME_SCHED, f"case '{title}': request {s.rid} got a token twice in the trace")
+            why = (f"it was preempted {s.preemptions} time(s) and resumed with lost tokens, then generated them "
+                   "again (a client would receive them twice): a preempted request keeps seq.output"
+                   if s.preemptions else "check that each step appends one token per finished chunk")
+            raise fail(NAME_SCHED, f"case '{title}': request {s.rid} emitted {len(eng.trace.token_times[s.rid])} tokens "
+                                   f"for an output of {len(s.output)}: {why}")
     return eng
 
 
@@ -271,6 +282,8 @@ def _prefix_scenarios(BlockManager):
     c = _fill(bm, "C", C)                                # 4 blocks: the free list's 3, then 1 eviction
     blocks_c = list(c.block_table)
     bm.free(c)
+    yield "an evicted block, reused for other tokens, never found by its old key", \
+        [b for b in _lookup(bm, A + [5], "lookup(A + one token) after one of its blocks was reused") if b in blocks_c], []
     yield "the least recently used block evicted first (A's tail)", _lookup(bm, A + [5], "lookup(A + one token)"),         blocks_a[:2]
     yield "the most recently used prompt kept", _lookup(bm, C + [3], "lookup(C + one token)"), blocks_c[:3]
     D = [rng.randrange(1, V) for _ in range(12)]
