@@ -243,3 +243,26 @@ def test_a_request_failing_inside_a_step_fails_alone():
     assert eng.split_steps == 1
     eng.split_steps = 0
     _check(eng, good)
+
+
+def test_a_failed_add_prefix_leaves_no_trace():
+    eng = Engine(FakeLM(vocab=V, poison=66), num_blocks=8, block_size=4)
+    with pytest.raises(ValueError, match="add blocks"):
+        eng.add_prefix(list(range(1, 40)))                            # 10 blocks: more than the pool
+    with pytest.raises(ValueError, match="poisoned"):
+        eng.add_prefix([1, 66, 3])                                    # its prefill raises
+    assert eng.blocks.num_free == 8 and eng.scheduler.capacity == 8 and not eng.prefixes
+    ok = eng.submit([5, 6, 7], 4)
+    eng.run()
+    _check(eng, [ok])
+
+
+def test_numpy_ids_are_accepted_and_lists_as_eos_refused():
+    import numpy as np
+
+    eng = Engine(FakeLM(vocab=V), num_blocks=8, block_size=4)
+    s = eng.submit(np.array([3, 4, 5]), np.int64(4), eos_token_id=np.int32(V - 1))
+    with pytest.raises(ValueError, match="eos_token_id"):
+        eng.submit([1, 2], 3, eos_token_id=[0])
+    eng.run()
+    _check(eng, [s])

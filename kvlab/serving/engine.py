@@ -51,6 +51,8 @@ class Engine:
                  allocator_cls=None, gather=None, clock: Clock | None = None, scheduler_cls=Scheduler,
                  block_manager_cls=BlockManager):
         self.model, self.config = model, model.config
+        _int("num_blocks", num_blocks, 1)
+        _int("block_size", block_size, 1)
         self.blocks = (block_manager_cls(num_blocks, block_size, prefix_caching) if allocator_cls is None
                        else AllocatorBlocks(allocator_cls, num_blocks, block_size))
         self.scheduler = scheduler_cls(self.blocks, max_num_batched_tokens, max_num_seqs, chunked_prefill, admission,
@@ -101,10 +103,17 @@ class Engine:
         """Prefill ``tokens`` once and pin their blocks; a later prompt that starts with them (and is
         longer) forks them instead of computing them (explicit sharing, with copy-on-write)."""
         seq = self._new_sequence(tokens, 1, None, ("prefix", len(self.prefixes)), 0.0)
-        copies = self.blocks.allocate(seq, seq.num_tokens)
-        self.runner.copy_blocks(copies)
-        if seq.to_compute:
-            self.runner.run([(seq, seq.to_compute)])
+        if self.blocks.blocks_needed(seq, seq.num_tokens) >= self.scheduler.capacity:
+            raise ValueError(f"a {seq.num_tokens}-token prefix would pin {self.blocks.blocks_needed(seq, seq.num_tokens)} "
+                             f"of the {self.scheduler.capacity} blocks left to requests: add blocks or shorten it")
+        self.runner.copy_blocks(self.blocks.allocate(seq, seq.num_tokens))
+        try:
+            if seq.to_compute:
+                self.runner.run([(seq, seq.to_compute)])
+        except Exception:
+            self.blocks.free(seq)                 # a failed prefill leaves no trace
+            seq.num_computed = 0
+            raise
         seq.num_computed = seq.num_tokens
         self.blocks.commit(seq)
         self.scheduler.capacity -= len(seq.block_table)
