@@ -21,7 +21,7 @@ import argparse
 
 import torch
 
-from . import gpt2, models, roofline, static, timing
+from . import gpt2, harness, models, roofline, static, timing
 from .generate import cached_generate, hf_greedy, naive_generate
 
 
@@ -46,10 +46,10 @@ def run(model_name: str, new_tokens: int, prompt_len: int, repeats: int, threads
     if naive:
         runs["naive (no cache)"] = lambda: naive_generate(hf, prompt, new_tokens)
     first_call = _add_compiled(runs, hf, ours, prompt, new_tokens, device) if compiled else {}
-    reference = runs["transformers generate (DynamicCache)"]()
-    for name, fn in runs.items():
-        if not torch.equal(fn().cpu(), reference.cpu()):
-            raise SystemExit(f"{name} does not reproduce transformers' greedy tokens: not timing it")
+    try:
+        harness.same_tokens(runs, "transformers generate (DynamicCache)")
+    except RuntimeError as e:
+        raise SystemExit(str(e)) from None
     print(f"all {len(runs)} generators give identical tokens ({new_tokens} new, prompt {prompt_len})")
 
     res = timing.compare(runs, warmup=0, repeats=repeats)   # the correctness pass above was the warm-up

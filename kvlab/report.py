@@ -44,7 +44,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from . import floorbench, gpt2, models, timing
+from . import floorbench, gpt2, harness, models, timing
 from .batching import generate_batch
 from .generate import cached_generate, hf_greedy, naive_generate
 
@@ -203,13 +203,6 @@ def per_position(run: Run) -> dict:
     return dict(rows=rows)
 
 
-def _first_difference(a: torch.Tensor, b: torch.Tensor):
-    if a.shape != b.shape:
-        return 0
-    diff = (a.cpu() != b.cpu()).nonzero()
-    return None if diff.numel() == 0 else int(diff[0, -1])
-
-
 def ours_vs_transformers(run: Run) -> dict:
     """Chapter 3: transformers' generate, our DynamicCache loop and the hand-built GPT-2, same tokens?"""
     rows = []
@@ -221,8 +214,7 @@ def ours_vs_transformers(run: Run) -> dict:
                "kvlab cached_generate": lambda: cached_generate(hf, prompt, n_new),
                "kvlab hand-built GPT-2": lambda: gpt2.generate(ours, prompt, n_new)}
         # A fast wrong generator is not a result: record whether each gives transformers' tokens.
-        reference = fns["transformers generate"]()
-        first_diff = {k: _first_difference(fn(), reference) for k, fn in fns.items()}
+        first_diff = harness.token_check(fns, "transformers generate")
         t = run.compare(fns, warmup=0)      # the correctness pass above was the warm-up
         base = t["transformers generate"]
         for k, tk in t.items():
@@ -267,13 +259,7 @@ def _our_step(ours, ids: torch.Tensor, seq_len: int):
                             dtype=cache.keys.dtype, device=cache.keys.device)
         for layer in range(ours.config.n_layer):
             cache.update(layer, zeros, zeros)
-    tok = ids[:, :1]
-
-    def step():
-        out = ours(tok, cache, last_only=True).argmax(-1)
-        cache.truncate(seq_len)   # back to seq_len positions: every call times the same step
-        return out
-    return step
+    return harness.rewinding_step(ours, cache, ids[:, :1], seq_len)   # every call times the same step
 
 
 @torch.no_grad()
@@ -323,8 +309,7 @@ def compiled(run: Run) -> dict:
         fns = {"eager, preallocated cache": lambda: gpt2.generate(ours, prompt, n_new),
                "static cache, eager": lambda: static.generate(prompt, n_new),
                "static cache, compiled": lambda: comp.generate(prompt, n_new)}
-        reference = fns["eager, preallocated cache"]()
-        first_diff = {k: _first_difference(fn(), reference) for k, fn in fns.items()}
+        first_diff = harness.token_check(fns, "eager, preallocated cache")
         t = run.compare(fns, warmup=0)                    # the correctness pass was the warm-up
         base = t["eager, preallocated cache"]
         for k, tk in t.items():

@@ -32,7 +32,7 @@ import statistics
 import torch
 import torch.utils.benchmark as benchmark
 
-from .memory import _count, _field, as_dtype, bytes_per_element, kv_cache_bytes, kv_dims
+from .memory import as_dtype, bytes_per_element, check_count, config_field, kv_cache_bytes, kv_dims
 
 # ---------------------------------------------------------------------------------------------------
 # What the model is made of
@@ -110,16 +110,16 @@ def cache_read_bytes(model, batch_size: int, seq_len: int, dtype=None) -> int:
 
 def decode_step_bytes(model, batch_size: int, seq_len: int) -> int:
     """Bytes one decode step reads: every weight once + the cache of ``seq_len`` positions per row."""
-    batch_size, seq_len = _count(batch_size, "batch_size"), _count(seq_len, "seq_len")
+    batch_size, seq_len = check_count(batch_size, "batch_size"), check_count(seq_len, "seq_len")
     return weight_bytes(model) + cache_read_bytes(model, batch_size, seq_len)
 
 
 def decode_step_flops(model, batch_size: int, seq_len: int) -> int:
     """FLOPs of one decode step: ``2 x B x matmul weights + 4 x B x layers x heads x head_dim x S``."""
-    batch_size, seq_len = _count(batch_size, "batch_size"), _count(seq_len, "seq_len")
+    batch_size, seq_len = check_count(batch_size, "batch_size"), check_count(seq_len, "seq_len")
     cfg = _config(model)
     n_layer, _, head_dim = kv_dims(cfg)
-    n_head = _field(cfg, "num_attention_heads", "n_head")      # every QUERY head scores the keys
+    n_head = config_field(cfg, "num_attention_heads", "n_head")      # every QUERY head scores the keys
     return 2 * batch_size * matmul_weights(model) + 4 * batch_size * n_layer * n_head * head_dim * seq_len
 
 

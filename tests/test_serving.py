@@ -7,7 +7,7 @@ import torch
 
 from kvlab.gpt2 import GPT2
 from kvlab.paged import paged_gather
-from kvlab.servebench import (References, poisson_arrivals, random_workload, reference_tokens, reserved_vs_used,
+from kvlab.servingbench import (References, poisson_arrivals, random_workload, reference_tokens, reserved_vs_used,
                               run_floor, serve, step_floor, summarize)
 from kvlab.serving import Engine, Status
 

@@ -414,7 +414,7 @@ def check_paged_generate(BlockAllocator, paged_gather) -> None:
     that prompt alone, and no block may leak."""
     from ..gpt2 import GPT2
     from ..paged import BlockAllocator as RefAllocator
-    from ..servebench import References
+    from ..servingbench import References
 
     hf, tok = grading_model()
     model = GPT2.from_hf(hf)

@@ -224,7 +224,7 @@ def check_scheduler(Scheduler) -> None:
 
 def _confirm_on_gpt2(Scheduler) -> None:
     from ..gpt2 import GPT2
-    from ..servebench import References
+    from ..servingbench import References
     from ._common import grading_model
 
     model = GPT2.from_hf(grading_model()[0])

@@ -6,7 +6,7 @@
 * :mod:`.runner`: one scheduled step -> one call of the model's forward over a ragged batch;
 * :mod:`.engine`: submit, step, run; :mod:`.clock`: time and the trace.
 
-Measurements (workloads, arrivals, metrics, tables, plots) live in :mod:`kvlab.servebench`.
+Measurements (workloads, arrivals, metrics, tables, plots) live in :mod:`kvlab.servingbench`.
 """
 
 from .block_manager import AllocatorBlocks, BlockManager

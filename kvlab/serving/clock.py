@@ -6,7 +6,7 @@ counts as time, but no CPU waits for it. On a GPU, ``now`` waits for the queued 
 step's time is the time its work took, not the time it took to launch it.
 
 :class:`Trace` records what each step did and when each request got each token; every serving metric
-(TTFT, TPOT, latency, stalls, throughput, goodput) is computed from it by :mod:`kvlab.servebench`.
+(TTFT, TPOT, latency, stalls, throughput, goodput) is computed from it by :mod:`kvlab.servingbench`.
 """
 
 from __future__ import annotations

@@ -70,9 +70,6 @@ class RaggedStep(Cache):
     def last_positions(self):
         return None          # each sequence's positions are planned here, not a row's
 
-    if not hasattr(Cache, "store"):   # the interface before issue 21 called the method update
-        update = store
-
     @property
     def nbytes(self) -> int:
         return 0             # it owns no storage: the pool does

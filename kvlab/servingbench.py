@@ -1,5 +1,6 @@
 """Measuring the serving engine (chapter 9): workloads, Poisson arrivals, serving metrics, the floor,
-sweeps, tables and plots. The engine (:mod:`kvlab.serving`) prints and measures nothing; this does.
+sweeps, computed sentences and the plot. The engine (:mod:`kvlab.serving`) prints and measures
+nothing; this does (tables go through :func:`kvlab.harness.print_table`).
 
 Metrics, from the engine's trace (times on its :class:`~kvlab.serving.clock.Clock`, idle gaps skipped):
 
@@ -342,16 +343,6 @@ def best_of(samples: dict[str, list[float]], what: str, device, lower_is_better:
     if math.isinf(b.median):
         return f"{what}: {best} is best; {second}, the runner-up, had none ({n} round(s) {where})"
     return f"{what}: {best} is best, {b.median / a.median:.2f}x better than {second} ({n} round(s) {where})"
-
-
-def print_table(rows: list[dict], columns: dict) -> None:
-    """Rows of dicts as an aligned text table; ``columns`` maps a key to ``(header, format)``."""
-    cells = [[fmt.format(r[k]) for k, (_, fmt) in columns.items()] for r in rows]
-    heads = [h for h, _ in columns.values()]
-    widths = [max(len(h), *(len(c[i]) for c in cells)) for i, h in enumerate(heads)]
-    print("  ".join(h.rjust(w) if i else h.ljust(w) for i, (h, w) in enumerate(zip(heads, widths))))
-    for c in cells:
-        print("  ".join(x.rjust(w) if i else x.ljust(w) for i, (x, w) in enumerate(zip(c, widths))))
 
 
 def plot_latency_throughput(rows: list[dict], ax, latency: str = "e2e_p90") -> None:
