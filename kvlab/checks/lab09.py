@@ -386,20 +386,23 @@ def _workload(tok):
     return prefix, reqs
 
 
+_NB = 12   # blocks: a pool that binds for this workload (preemptions happen)
+
+
 def _serve(model, prefix, reqs, alloc_cls, gather):
     """The engine of chapter 9 on the learner's pieces: a pool that binds (preemption), a shared prefix
     (copy-on-write), free lists shuffled first (tables out of id order). Returns the engine."""
     from ..serving import Engine
 
-    eng = Engine(model, num_blocks=16, block_size=4, max_num_batched_tokens=12, max_num_seqs=3,
+    eng = Engine(model, num_blocks=_NB, block_size=4, max_num_batched_tokens=12, max_num_seqs=3,
                  allocator_cls=alloc_cls, gather=gather)
     alloc = eng.blocks.a
-    for i in range(16):
+    for i in range(_NB):
         alloc.allocate(("warm-up", i), 4)
-    for i in torch.randperm(16, generator=torch.Generator().manual_seed(9)).tolist():
+    for i in torch.randperm(_NB, generator=torch.Generator().manual_seed(9)).tolist():
         alloc.free(("warm-up", i))
-    if eng.blocks.num_free != 16:
-        raise fail(NAME_GEN, f"16 one-block sequences allocated then freed, yet {eng.blocks.num_free} of 16 blocks are "
+    if eng.blocks.num_free != _NB:
+        raise fail(NAME_GEN, f"{_NB} one-block sequences allocated then freed, yet {eng.blocks.num_free} of {_NB} blocks are "
                              "free: blocks leaked (a block returns to the free list at refcount 0)")
     eng.add_prefix(prefix)
     for prompt, m in reqs:
@@ -424,7 +427,7 @@ def check_paged_generate(BlockAllocator, paged_gather) -> None:
     except (AssertionError, NotImplementedError):
         raise
     except Exception as e:  # noqa: BLE001
-        raise fail(NAME_GEN, f"serving {len(reqs)} requests (16 blocks of 4, at most 3 sequences and 12 tokens a "
+        raise fail(NAME_GEN, f"serving {len(reqs)} requests ({_NB} blocks of 4, at most 3 sequences and 12 tokens a "
                              f"step, a shared 10-token prefix) with your pieces raised {type(e).__name__}: {e}") from e
     refs = References(model)
     bad = [s for s in eng.seqs.values() if s.output != refs(s)]
@@ -439,9 +442,9 @@ def check_paged_generate(BlockAllocator, paged_gather) -> None:
         raise fail(NAME_GEN, f"{detail}. It stays wrong with the library's allocator, so look at your "
                              "paged_gather: run check_paged_gather")
     eng.close()
-    if eng.blocks.num_free != 16:
+    if eng.blocks.num_free != _NB:
         raise fail(NAME_GEN, f"every request has finished and the prefix is released, yet only "
-                             f"{eng.blocks.num_free} of 16 blocks are free: blocks leaked")
+                             f"{eng.blocks.num_free} of {_NB} blocks are free: blocks leaked")
     passed(NAME_GEN, f"{len(reqs)} requests through ragged steps ({eng.scheduler.preemptions} preemptions, "
                      f"{eng.blocks.copies} copy-on-write copies): every one equals its prompt served alone; "
                      "no block leaked")
