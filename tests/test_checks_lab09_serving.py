@@ -38,7 +38,7 @@ class IndexScheduler(Scheduler):
                     self.preempt(victim, batch)
                     if victim is seq:
                         break
-        while self.waiting and left and len(self.running) < self.max_seqs:
+        while self.waiting and left and len(self.running) < self.max_seqs and not batch.preempted:
             seq = self.waiting[0]
             start = self.cached_tokens(seq)
             n = min(seq.num_tokens - start, left)
@@ -90,6 +90,8 @@ def _variant(**changes):
                     left -= n
             queue = sorted(self.waiting, key=lambda s: s.num_tokens) if changes.get("shortest_first") \
                 else list(self.waiting)
+            if batch.preempted:
+                queue = []
             for seq in queue:
                 if not left or len(self.running) >= self.max_seqs:
                     break
@@ -119,6 +121,41 @@ WRONG = [
                                                       "overtakes", "no-chunks"])
 def test_wrong_schedulers_rejected(impl, needles):
     expect_rejected(check_scheduler, impl, *needles)
+
+
+class NeverPreempts(Scheduler):
+    """A first attempt: a running sequence the pool cannot hold is skipped, nobody is preempted."""
+
+    def schedule(self):
+        batch = Batch()
+        for seq in list(self.running):
+            n = min(seq.to_compute, self.max_tokens - batch.num_tokens)
+            if n and len(batch.work) < self.max_seqs and self.blocks.can_hold(seq, seq.num_computed + n):
+                self.grant(batch, seq, n)
+        while self.waiting and batch.num_tokens < self.max_tokens and len(self.running) < self.max_seqs:
+            seq, start = self.waiting[0], self.cached_tokens(self.waiting[0])
+            n = min(seq.num_tokens - start, self.max_tokens - batch.num_tokens)
+            if not self.blocks.can_hold(seq, start + n):
+                break
+            self.grant(batch, seq, n)
+        return batch
+
+
+class AdmitsWhilePreempting(IndexScheduler):
+    def schedule(self):
+        batch = super().schedule()
+        left = self.max_tokens - batch.num_tokens
+        if batch.preempted and self.waiting and left and len(self.running) < self.max_seqs:
+            seq = self.waiting[0]
+            n = min(seq.num_tokens - self.cached_tokens(seq), left)
+            if self.blocks.can_hold(seq, self.cached_tokens(seq) + n):
+                self.grant(batch, seq, n)
+        return batch
+
+
+def test_first_attempts_get_the_fix_named():
+    expect_rejected(check_scheduler, NeverPreempts, "could not hold it", "preempt the newest")
+    expect_rejected(check_scheduler, AdmitsWhilePreempting, "had to preempt", "admit no one")
 
 
 def test_a_raising_scheduler_is_named():

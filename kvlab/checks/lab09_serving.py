@@ -29,6 +29,8 @@ _CASES = [
      max_num_batched_tokens=7, max_num_seqs=4), 7, (5, 30), (2, 8), 0, 32),
     ("a pool that binds (preemption)", dict(num_blocks=10, block_size=4, max_num_batched_tokens=16, max_num_seqs=6),
      9, (1, 14), (3, 14), 0, 31),
+    ("long prompts in chunks on a pool that binds", dict(num_blocks=12, block_size=4, max_num_batched_tokens=8,
+     max_num_seqs=4), 10, (3, 24), (4, 12), 0, 36),
     ("two sequences per step, many waiting", dict(num_blocks=30, block_size=2, max_num_batched_tokens=32,
      max_num_seqs=2), 6, (1, 9), (1, 9), 0, 33),
     ("a shared prefix found in the prefix cache, a tight pool", dict(num_blocks=12, block_size=4,
@@ -64,7 +66,8 @@ def _workload(n, prompt_len, new, prefix_len, seed):
 
 
 def _snapshot(sch) -> dict:
-    return dict(running=list(sch.running), waiting=list(sch.waiting), free=sch.blocks.num_free,
+    need = sum(sch.blocks.blocks_needed(s, s.num_computed + min(s.to_compute, sch.max_tokens)) for s in sch.running)
+    return dict(running=list(sch.running), waiting=list(sch.waiting), free=sch.blocks.num_free, need=need,
                 held={id(s): len(s.block_table) for s in sch.running})
 
 
@@ -86,6 +89,9 @@ def _verify_step(sch, snap, batch, where) -> None:
         if not isinstance(n, int) or n < 1 or n > s.to_compute:
             raise fail(NAME_SCHED, f"{where}: request {s.rid} got {n!r} tokens but has {s.to_compute} to run "
                                    "(num_tokens - num_computed): give it between 1 and that many")
+        if any(v is s and id(s) in ran for v, ran, _ in getattr(sch, "preempt_log", ())):
+            raise fail(NAME_SCHED, f"{where}: you preempted request {s.rid} after giving it tokens in this step: pick "
+                                   "the victim among the running sequences that have not run yet in this step")
         if s.status is not Status.RUNNING or s.num_computed + n > len(s.block_table) * sch.blocks.block_size:
             raise fail(NAME_SCHED, f"{where}: request {s.rid} is scheduled without blocks for its tokens (or is not "
                                    "running): take them with self.grant(batch, seq, n), which also admits a waiting one")
@@ -108,11 +114,10 @@ def _verify_victims(sch, snap, batch, where) -> None:
             raise fail(NAME_SCHED, f"{where}: you preempted request {v.rid} while request {newer[-1].rid}, admitted "
                                    f"after it, held blocks and had not run in this step: preempt the newest running "
                                    "sequence not yet scheduled (reversed(self.running)), so the oldest are never starved")
-    taken = snap["free"] + sum(snap["held"][id(v)] for v in victims) - sch.blocks.num_free   # at most
-    if victims and 0 < taken <= snap["free"]:
+    if victims and snap["need"] <= snap["free"]:
         raise fail(NAME_SCHED, f"{where}: you preempted {[v.rid for v in victims]} although the {snap['free']} free "
-                               f"blocks covered the {taken} the step took: preempt only while "
-                               "self.blocks.can_hold(seq, ...) is False")
+                               f"blocks could hold every running sequence's next tokens ({snap['need']} blocks): "
+                               "preempt only while self.blocks.can_hold(seq, ...) is False")
 
 
 def _verify_fairness(sch, snap, batch, where, total) -> None:
@@ -121,11 +126,19 @@ def _verify_fairness(sch, snap, batch, where, total) -> None:
     scheduled = {id(s) for s, _ in batch.work}
     room = total < sch.max_tokens and len(batch.work) < sch.max_seqs
     left_out = [s for s in snap["running"] if s.status is Status.RUNNING and id(s) not in scheduled]
+    if left_out and room and not sch.blocks.can_hold(left_out[0], left_out[0].num_computed + 1):
+        raise fail(NAME_SCHED, f"{where}: request {left_out[0].rid} was running and got no token because the pool could "
+                               "not hold it, and nothing was preempted: when blocks.can_hold(...) is False, preempt the "
+                               "newest running sequence that has not run in this step (self.preempt) and try again")
     if left_out and room:
         raise fail(NAME_SCHED, f"{where}: request {left_out[0].rid} was running and got no token although the step had "
                                f"room for {sch.max_tokens - total} more tokens: you starve a running request; every "
                                "running sequence (decoding first) gets its share while the budget lasts")
     admitted = [s for s in snap["waiting"] if s.status is Status.RUNNING]
+    readmitted = [v for v in batch.preempted if v.status is Status.RUNNING]
+    if (admitted or readmitted) and batch.preempted:
+        raise fail(NAME_SCHED, f"{where}: you admitted request {(admitted or readmitted)[0].rid} in a step that had to preempt "
+                               f"{batch.preempted[0].rid}: memory just ran out, so admit no one in that step")
     if admitted != snap["waiting"][:len(admitted)]:
         first = next(s for s in snap["waiting"] if s not in admitted)
         raise fail(NAME_SCHED, f"{where}: you admitted request {admitted[-1].rid} before request {first.rid}, which "

@@ -9,8 +9,8 @@ Each step has a budget of ``max_num_batched_tokens`` tokens (vLLM's name) and at
    preempted by recompute: its blocks are freed and it goes back to the front of the queue with every
    token it has, to be recomputed later (its generated tokens are kept, so it resumes with them).
 2. **waiting** sequences, first come first served (no overtaking: a request that does not fit blocks
-   the ones behind it, so none starves): each is admitted with its prefix-cache hits and as much of
-   its prompt as the budget leaves.
+   the ones behind it, so none starves), unless this step had to preempt (memory just ran out): each
+   is admitted with its prefix-cache hits and as much of its prompt as the budget leaves.
 
 ``admission`` says what a sequence must be promised before it is admitted:
 
@@ -154,8 +154,8 @@ class Scheduler:
                 self.grant(batch, seq, n)
 
     def _schedule_waiting(self, batch: Batch) -> None:
-        if self.batching == "static" and any(s.output for s in self.running):
-            return                                 # the previous batch is still running
+        if batch.preempted or (self.batching == "static" and any(s.output for s in self.running)):
+            return                                 # memory just ran out, or the previous batch is still running
         while self.waiting and len(self.running) < self.max_seqs and batch.num_tokens < self.max_tokens:
             seq = self.waiting[0]
             if self.reserved + self.reservation(seq) > self.capacity:
