@@ -252,7 +252,9 @@ def test_a_failed_add_prefix_leaves_no_trace():
     with pytest.raises(ValueError, match="poisoned"):
         eng.add_prefix([1, 66, 3])                                    # its prefill raises
     assert eng.blocks.num_free == 8 and eng.scheduler.capacity == 8 and not eng.prefixes
-    ok = eng.submit([5, 6, 7], 4)
+    ok = eng.submit([5, 6, 7] * 5, 10)                                # up to 6 blocks
+    with pytest.raises(ValueError, match="already submitted"):
+        eng.add_prefix([1, 2, 3, 4, 5, 6, 7, 8, 9])                   # 3 pinned: 5 left, too few for it
     eng.run()
     _check(eng, [ok])
 

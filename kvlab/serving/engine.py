@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 import operator
 
-from ..paged import PagedKVCache
+from ..paged import PagedKVCache, blocks_for
 from .block_manager import AllocatorBlocks, BlockManager
 from .clock import Clock, Trace
 from .runner import Runner
@@ -103,9 +103,13 @@ class Engine:
         """Prefill ``tokens`` once and pin their blocks; a later prompt that starts with them (and is
         longer) forks them instead of computing them (explicit sharing, with copy-on-write)."""
         seq = self._new_sequence(tokens, 1, None, ("prefix", len(self.prefixes)), 0.0)
-        if self.blocks.blocks_needed(seq, seq.num_tokens) >= self.scheduler.capacity:
-            raise ValueError(f"a {seq.num_tokens}-token prefix would pin {self.blocks.blocks_needed(seq, seq.num_tokens)} "
-                             f"of the {self.scheduler.capacity} blocks left to requests: add blocks or shorten it")
+        pin = self.blocks.blocks_needed(seq, seq.num_tokens)
+        largest = max((blocks_for(s.max_tokens, self.blocks.block_size) for s in self.seqs.values()
+                       if s.status in (Status.WAITING, Status.RUNNING)), default=0)
+        if pin >= self.scheduler.capacity or largest > self.scheduler.capacity - pin:
+            raise ValueError(f"a {seq.num_tokens}-token prefix would pin {pin} of the {self.scheduler.capacity} blocks "
+                             f"left to requests (a request already submitted needs up to {largest}): add blocks or "
+                             "shorten it")
         self.runner.copy_blocks(self.blocks.allocate(seq, seq.num_tokens))
         try:
             if seq.to_compute:
