@@ -338,8 +338,9 @@ def best_of(samples: dict[str, list[float]], what: str, device, lower_is_better:
     if math.isinf(a.median):
         return f"{what}: none of {', '.join(ranked)} had any ({n} round(s) {where})"
     if not told_apart(a, b):
-        return (f"{what}: {best} and {second} were not told apart (ratio {b.median / a.median:.2f}, within "
-                f"{NOISE:.0%} or overlapping over {n} round(s) {where})")
+        ratio = "the runner-up had none in most rounds" if math.isinf(b.median) else f"ratio {b.median / a.median:.2f}"
+        return (f"{what}: {best} and {second} were not told apart ({ratio}; within {NOISE:.0%} or overlapping "
+                f"over {n} round(s) {where})")
     if math.isinf(b.median):
         return f"{what}: {best} is best; {second}, the runner-up, had none ({n} round(s) {where})"
     return f"{what}: {best} is best, {b.median / a.median:.2f}x better than {second} ({n} round(s) {where})"
