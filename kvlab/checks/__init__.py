@@ -16,6 +16,7 @@ from .lab06 import check_batched_generate, check_batched_generate_until, check_m
 from .lab07 import check_decode_step_bytes, check_step_time_floor
 from .lab08 import check_no_recompile, check_static_attention, check_static_cache
 from .lab09 import check_block_allocator, check_paged_gather, check_paged_generate
+from .lab09_serving import check_prefix_cache, check_scheduler
 
 __all__ = [
     "check_naive_generate",
@@ -42,4 +43,6 @@ __all__ = [
     "check_block_allocator",
     "check_paged_gather",
     "check_paged_generate",
+    "check_scheduler",
+    "check_prefix_cache",
 ]
