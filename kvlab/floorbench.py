@@ -498,3 +498,17 @@ def knee_sentence(measured, floor) -> str:
     order = "later" if measured > floor else "earlier"
     return (f"The measured step reaches 1.5x its batch-1 time at batch {measured}, {order} than the floor "
             f"(batch {floor}).")
+
+
+def recorded_sentence(what: str = "Recorded runs on GPUs") -> str:
+    """Whether any GPU run is committed under ``results/``, in words: the chapters point at the
+    results page only for what is really there."""
+    from . import results
+
+    gpus = sorted({results.machine(r) for r in results.load_all()
+                   if r["provenance"]["device"].get("device") == "cuda"})
+    if not gpus:
+        return (f"{what}: none is committed yet. The results page will render each one once it is "
+                "(python -m kvlab.report --device cuda); until then every number here comes from the "
+                "machine that built this page.")
+    return f"{what} ({', '.join(gpus)}) are on the results page, each labelled with its device and date."
