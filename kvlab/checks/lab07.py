@@ -345,10 +345,13 @@ _FLOOR_MISTAKES = [
     ("sum", lambda c: c["m"] + c["f"],
      "you added the memory and compute times: a machine overlaps them, so the floor is the larger one"),
     ("memory only", lambda c: c["m"],
-     "you returned bytes / bandwidth only: where the FLOPs take longer (large batches) the floor is theirs; "
-     "return the larger of the two times"),
+     "your answers equal bytes / bandwidth everywhere, so your compute time never counts: it is left out, "
+     "or too small (flops is in FLOP/s: no unit scaling). Where the FLOPs take longer (large batches) the "
+     "floor is theirs: return the larger of the two times"),
     ("compute only", lambda c: c["f"],
-     "you returned the compute time only: a decode step at small batch is bound by the bytes it reads"),
+     "your answers equal the compute time everywhere, so your memory time never counts: it is left out, or "
+     "too small (bandwidth is in bytes/s: no GB scaling). A decode step at small batch is bound by the "
+     "bytes it reads"),
     ("milliseconds", lambda c: c["want"] * 1e3, "return seconds, not milliseconds"),
     ("swapped rates", lambda c: max(c["m"] * c["bw"] / c["fl"], c["f"] * c["fl"] / c["bw"]),
      "you divided the bytes by flops and the FLOPs by bandwidth: bytes go with bandwidth (bytes/s), "
@@ -421,7 +424,8 @@ def _crit_cases():
     raw = [
         ("kvlab-tiny, short context, a CPU-like machine", tiny, 1, 8, 20e9, 200e9),
         ("kvlab-tiny, 300 positions, batch 16, a CPU-like machine", tiny, 16, 300, 20e9, 200e9),
-        ("kvlab-tiny, 40 positions, batch 48, a CPU-like machine", tiny, 48, 40, 20e9, 200e9),
+        ("kvlab-tiny, 50 positions, batch 24, a CPU-like machine", tiny, 24, 50, 20e9, 200e9),
+        ("kvlab-tiny, 200 positions, batch 32, a CPU-like machine", tiny, 32, 200, 20e9, 200e9),
         ("the head_dim=16 Llama, a machine with little compute", hd, 2, 10, 400e9, 4e9),
         ("gpt2-medium (meta, fp16), zero context, an H100-like machine", gpt2m, 8, 0, 3.35e12, 990e12),
         ("gpt2-medium (meta, fp16), 900 positions, an H100-like machine", gpt2m, 8, 900, 3.35e12, 990e12),
@@ -456,7 +460,7 @@ _CRIT_MISTAKES = [
     ("one too many", lambda c: None if c["crit"] is None else c["crit"] + 1,
      "off by one, too large: the critical batch is the SMALLEST batch whose compute time exceeds its "
      "memory time"),
-    ("one too few", lambda c: None if c["crit"] is None else c["crit"] - 1,
+    ("one too few", lambda c: None if c["crit"] is None else max(c["crit"] - 1, 1),
      "off by one, too small: at that batch the compute time does not exceed the memory time yet"),
 ]
 
@@ -540,10 +544,11 @@ def _grade_sweep(batches, model, seq_len: int, bandwidth: float, flops: float,
                                   f"{need / 2**30:.1f} GiB, beyond the lab's budget: the bend cannot be reached "
                                   "here; say so beside your plot")
     below, above = [b for b in batches if b < critical], [b for b in batches if b > critical]
-    if len(below) < 2 or len(above) < 2 or max(batches) < 2 * critical:
-        raise fail(NAME_SWEEP, f"the critical batch predicted for this machine is {critical}: measure at least two "
-                               f"batches below it and two above, the largest at least {2 * critical}, so that the "
-                               f"bend can be seen; BATCHES is {list(batches)}")
+    need_below = min(2, critical - 1)              # a critical batch of 1 or 2 leaves less room below
+    if len(below) < need_below or len(above) < 2 or max(batches) < 2 * critical:
+        raise fail(NAME_SWEEP, f"the critical batch predicted for this machine is {critical}: measure at least "
+                               f"{need_below} batch(es) below it and two above, the largest at least {2 * critical}, "
+                               f"so that the bend can be seen; BATCHES is {list(batches)}")
     passed(NAME_SWEEP, f"the sweep {list(batches)} reaches past the predicted critical batch {critical}")
 
 
