@@ -88,3 +88,23 @@ def test_roofline_plot_bf16_rows_and_throughput(ours):
     d = fb.dtype_rows(["gpt2"], fb.H200["bandwidth"], {torch.float32: fb.H200["fp32"], torch.bfloat16: fb.H200["bf16"]})
     assert d[1]["ridge"] / d[0]["ridge"] == pytest.approx(989 / 67)
     assert d[1]["critical"][0] > 10 * d[0]["critical"][0] / 2       # bf16: the critical batch moves far out
+
+
+def test_compile_counts_come_from_torch():
+    from kvlab import compilecount
+
+    f = torch.compile(lambda x: (x * 2).sin(), backend="aot_eager", dynamic=False)
+    with compilecount.counting() as counts:
+        for n in (3, 4, 5):
+            f(torch.ones(n))              # a new shape each time: one graph each
+    assert counts["graphs"] == 3 and counts["graph breaks"] == 0 and counts["guard failures"] >= 2
+    line = compilecount.counts_sentence(counts, "cpu", compiled_functions=1)
+    assert "3 graph(s) for 1 compiled function(s) (2 more" in line and "no CUDA graph" in line
+    assert "CUDA graphs: 0 skip(s)" in compilecount.counts_sentence(counts, "cuda", compiled_functions=1)
+
+
+def test_one_compile_seconds_definition():
+    from kvlab import staticbench
+
+    assert staticbench.compile_seconds(12.5, 2.5) == 10.0
+    assert staticbench.compile_seconds(2.0, 2.4) == 0.0          # within the noise: not negative
