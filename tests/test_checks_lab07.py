@@ -326,6 +326,18 @@ WRONG_CRIT = {
 }
 
 
+def test_crit_endless_loop_is_stopped(monkeypatch):
+    from kvlab.checks import lab07
+    monkeypatch.setattr(lab07, "TIME_LIMIT_S", 0.5)
+
+    def brute_force(model, B, S, bw, fl):
+        b = 1
+        while decode_step_flops(model, b, S) / fl <= right(model, b, S) / bw:
+            b += 1                    # never ends where no batch is compute-bound
+        return _bound(model, B, S, bw, fl), b
+    expect_rejected(check_bound_and_critical, brute_force, "did not return within", "no batch is compute-bound")
+
+
 @pytest.mark.parametrize("name", WRONG_CRIT)
 def test_crit_mistakes_rejected_by_name(name):
     impl, needles = WRONG_CRIT[name]

@@ -80,14 +80,47 @@ def _refuse_library(check, fn) -> None:
                           "function: the lab grades yours. Write it from the chapter's formula")
 
 
+class _TooSlow(Exception):
+    pass
+
+
+@contextmanager
+def _deadline(seconds: float):
+    """Stop a call that runs longer than ``seconds`` (a loop that never ends), where signals allow."""
+    import signal
+    import threading
+
+    if not hasattr(signal, "setitimer") or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum, frame):
+        raise _TooSlow()
+    previous = signal.signal(signal.SIGALRM, stop)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+TIME_LIMIT_S = 20.0      # per call: generous for any direct computation, a stop for an endless loop
+
+
 def _call(check, fn, label, args):
-    """The learner's function on one case: their exceptions and library calls become failures."""
+    """The learner's function on one case: their exceptions, library calls and endless loops become
+    failures."""
     names = ("batch_size", "seq_len", "bandwidth", "flops")
     shown = ", ".join(f"{k}={a!r}" for k, a in zip(names, args[1:]))
     found: list = []
     try:
-        with _watch_library(check, found):
+        with _deadline(TIME_LIMIT_S), _watch_library(check, found):
             out = fn(*args)
+    except _TooSlow:
+        raise fail(check, f"your function did not return within {TIME_LIMIT_S:.0f} s on <{label}> ({shown}). "
+                          "A loop over batch sizes never ends when no batch is compute-bound: decide that first, "
+                          "from what one more row adds to the bytes and to the FLOPs") from None
     except (GraderFailure, NotImplementedError):
         raise
     except Exception as e:  # noqa: BLE001 - the learner's exception becomes a pointed message
