@@ -13,7 +13,8 @@ from .lab03 import (check_attention, check_cache_bytes_prediction, check_generat
 from .lab04 import check_kv_cache_bytes, check_max_batch_size, check_max_seq_len
 from .lab05 import check_quantize, check_quantize_int
 from .lab06 import check_batched_generate, check_batched_generate_until, check_make_batch
-from .lab07 import check_decode_step_bytes, check_step_time_floor
+from .lab07 import (check_bound_and_critical, check_decode_step_bytes, check_overhead_fit,
+                    check_step_time_floor, check_sweep_plan)
 from .lab08 import check_no_recompile, check_static_attention, check_static_cache
 from .lab09 import check_block_allocator, check_paged_gather, check_paged_generate
 from .lab09_serving import check_prefix_cache, check_scheduler
@@ -37,6 +38,9 @@ __all__ = [
     "check_batched_generate_until",
     "check_decode_step_bytes",
     "check_step_time_floor",
+    "check_bound_and_critical",
+    "check_sweep_plan",
+    "check_overhead_fit",
     "check_static_cache",
     "check_static_attention",
     "check_no_recompile",
