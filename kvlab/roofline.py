@@ -353,6 +353,9 @@ def meta_model(name_or_config, dtype=torch.float32):
     """A transformers model with the right shapes and no storage (``meta`` device): a GPT-2 size
     (``"gpt2"`` ... ``"gpt2-xl"``, optionally ``"shape:"``-prefixed), an open model of chapter 4's
     table by name, a dict of config fields with ``model_type``, or a transformers config."""
+    if not isinstance(name_or_config, (str, dict)) and not hasattr(name_or_config, "to_dict"):
+        raise ValueError(f"meta_model takes a model name, a dict of config fields or a transformers "
+                         f"config, got {type(name_or_config).__name__}")
     if isinstance(name_or_config, str):
         return _meta_by_name(name_or_config, as_dtype(dtype))
     return _meta_model(name_or_config, dtype)
