@@ -45,7 +45,7 @@ EMPTY = -1
 
 
 def visible(positions: torch.Tensor, key_pos: torch.Tensor) -> torch.Tensor:
-    """The one attention rule of the library: ``[B, T, S]``, True where query ``t`` may see key ``s``.
+    """The one attention rule of the library (chapter 3): ``[B, T, S]``, True where query ``t`` may see key ``s``.
 
     ``positions`` ``[B, T]``: each query's position; ``key_pos`` broadcastable to ``[B, T, S]``: each
     key slot's position as seen by that query (``EMPTY`` for a slot that is not real). A key is

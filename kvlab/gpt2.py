@@ -12,8 +12,14 @@ real ``gpt2``, the shape-only sizes) and reproduces its logits. What it must get
   ``0 .. p``, not ``0 .. i`` for its row index ``i``;
 * the LM head is tied to the token embedding ``wte``.
 
+The model never changes; only the cache does. :meth:`GPT2.forward` is the ONE forward pass of the
+library: every cache of the book (``kvlab.cache``, ``quant``, ``static``, ``paged``) goes through it,
+and what a query may see is one rule, :func:`kvlab.cache.visible`, applied to the positions the
+cache returns with its keys.
+
     model = GPT2.from_hf(hf_model)
     logits = model(input_ids)                          # [B, T, vocab], no cache
+    logits = model(input_ids, cache, positions)        # positions [B, T]; None: continue the cache
     out = generate(model, input_ids, max_new_tokens)   # greedy, preallocated cache
 """
 
