@@ -45,7 +45,7 @@ EMPTY = -1
 
 
 def visible(positions: torch.Tensor, key_pos: torch.Tensor) -> torch.Tensor:
-    """The one attention rule of the library: ``[B, T, S]``, True where query ``t`` may see key ``s``.
+    """The one attention rule of the library (chapter 3): ``[B, T, S]``, True where query ``t`` may see key ``s``.
 
     ``positions`` ``[B, T]``: each query's position; ``key_pos`` broadcastable to ``[B, T, S]``: each
     key slot's position as seen by that query (``EMPTY`` for a slot that is not real). A key is
@@ -79,7 +79,8 @@ class Cache(ABC):
     def store(self, layer: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor):
         """What each cache implements: keep ``k``, ``v`` ``[B, H, T, D]`` of ``layer`` (the tokens at
         ``positions [B, T]``) and return every key and value the queries may need, ``[B, H, S, D]``,
-        with ``key_pos`` broadcastable to ``[B, T, S]`` (``EMPTY`` for a slot that is not real)."""
+        with ``key_pos`` broadcastable to ``[B, T, S]`` (``EMPTY`` for a slot that is not real). The
+        key positions are the same in every layer of a forward pass (the model makes one mask of them)."""
 
     @abstractmethod
     def reset(self) -> None:

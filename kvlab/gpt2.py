@@ -12,8 +12,14 @@ real ``gpt2``, the shape-only sizes) and reproduces its logits. What it must get
   ``0 .. p``, not ``0 .. i`` for its row index ``i``;
 * the LM head is tied to the token embedding ``wte``.
 
+The model never changes; only the cache does. :meth:`GPT2.forward` is the ONE forward pass of the
+library: every cache of the book (``kvlab.cache``, ``quant``, ``static``, ``paged``) goes through it,
+and what a query may see is one rule, :func:`kvlab.cache.visible`, applied to the positions the
+cache returns with its keys.
+
     model = GPT2.from_hf(hf_model)
     logits = model(input_ids)                          # [B, T, vocab], no cache
+    logits = model(input_ids, cache, positions)        # positions [B, T]; None: continue the cache
     out = generate(model, input_ids, max_new_tokens)   # greedy, preallocated cache
 """
 
@@ -128,18 +134,31 @@ class CausalSelfAttention(nn.Module):
         self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd)   # q, k and v in one matmul, as GPT-2 stores them
         self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd)
 
-    def forward(self, x, layer: int, cache, positions, attention_fn):
+    def forward(self, x, layer: int, cache, rule: "Visibility", attention_fn):
         B, T, C = x.shape
         q, k, v = self.c_attn(x).split(C, dim=2)
         # [B, T, C] -> [B, H, T, D]: each head attends on its own slice of the width
         q, k, v = (t.view(B, T, self.n_head, self.head_dim).transpose(1, 2) for t in (q, k, v))
         if cache is None:
-            key_pos = positions[:, None, :]       # no past: the keys are the new tokens themselves
+            key_pos = rule.positions[:, None, :]   # no past: the keys are the new tokens themselves
         else:
-            k, v, key_pos = cache.update(layer, k, v, positions)   # every key the queries may need
-        mask = visible(positions, key_pos)[:, None]                 # [B, 1, T, S]: the one rule
-        y = attention_fn(q, k, v, mask)
+            k, v, key_pos = cache.update(layer, k, v, rule.positions)   # every key the queries may need
+        y = attention_fn(q, k, v, rule.mask(key_pos))                   # [B, 1, T, S]: the one rule
         return self.c_proj(y.transpose(1, 2).reshape(B, T, C))
+
+
+class Visibility:
+    """The one rule (:func:`kvlab.cache.visible`) for one forward pass: the queries' positions, and the
+    mask for the key positions the cache returns. Those are the same in every layer of a pass (the
+    cache records a token's position once), so the mask is computed once, at the first layer."""
+
+    def __init__(self, positions: torch.Tensor):
+        self.positions, self._mask = positions, None
+
+    def mask(self, key_pos: torch.Tensor) -> torch.Tensor:
+        if self._mask is None:
+            self._mask = visible(self.positions, key_pos)[:, None]
+        return self._mask
 
 
 class MLP(nn.Module):
@@ -163,8 +182,8 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(cfg.n_embd, eps=cfg.layer_norm_epsilon)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, layer, cache, positions, attention_fn):
-        x = x + self.attn(self.ln_1(x), layer, cache, positions, attention_fn)   # pre-norm residual blocks
+    def forward(self, x, layer, cache, rule, attention_fn):
+        x = x + self.attn(self.ln_1(x), layer, cache, rule, attention_fn)   # pre-norm residual blocks
         return x + self.mlp(self.ln_2(x))
 
 
@@ -204,12 +223,15 @@ class GPT2(nn.Module):
         if not torch.compiler.is_compiling():   # a compiled step gets a cache of the one interface
             cache = as_cache(cache)
             check_forward(self, input_ids, cache, positions)   # at the boundary, before any work
-        if positions is None:
+        if positions is None:        # continue the cache (no pads): embed the positions as they are
             positions = (torch.arange(T, device=input_ids.device).expand(B, T) if cache is None
                          else cache.next_positions(B, T, input_ids.device))
-        x = self.wte(input_ids) + self.wpe(positions.clamp(min=0))   # a pad is embedded at position 0
+            x = self.wte(input_ids) + self.wpe(positions)
+        else:
+            x = self.wte(input_ids) + self.wpe(positions.clamp(min=0))   # a pad is embedded at position 0
+        rule = Visibility(positions)
         for layer, block in enumerate(self.h):
-            x = block(x, layer, cache, positions, self.attention_fn)
+            x = block(x, layer, cache, rule, self.attention_fn)
         if select is not None:
             x = x[:, select]
         elif last_only:
@@ -272,10 +294,13 @@ def check_forward(model, input_ids, cache, positions) -> None:
                          "there is no position embedding beyond it; shorten the prompt or generate less")
     if T and int(positions.min()) < EMPTY:
         raise ValueError(f"positions must be >= 0 (or EMPTY = {EMPTY} for a pad), got {int(positions.min())}")
-    real = positions.masked_fill(positions == EMPTY, -2)
-    if T > 1 and bool((real[:, 1:] <= real[:, :-1]).masked_select(positions[:, 1:] != EMPTY).any()):
+    before = positions.cummax(dim=1).values[:, :-1]         # the largest position so far in the row
+    later = positions[:, 1:]
+    if T > 1 and bool(((later == EMPTY) & (before != EMPTY)).any()):
+        raise ValueError("a pad (EMPTY) follows a real token: pad on the left, pads first in every row")
+    if T > 1 and bool(((later != EMPTY) & (later <= before)).any()):
         raise ValueError("positions run backwards (or repeat) within a row: each row's real tokens must have "
-                         "increasing positions, pads (EMPTY) first")
+                         "increasing positions")
     if cache is not None:
         check_after_cache(cache, positions, limit)
 

@@ -86,7 +86,11 @@ def kv_dims(config) -> tuple[int, int, int]:
                          "(num_attention_heads / n_head); pass a decoder's transformers config")
     n_layer = check_int(n_layer, "the number of layers")
     n_head = check_int(n_head, "the number of attention heads")
+    return n_layer, kv_heads(config, n_head), head_dim_of(config, n_head)
 
+
+def kv_heads(config, n_head: int) -> int:
+    """The number of key/value heads a config's cache stores (``n_head`` unless it groups them)."""
     model_type = config_field(config, "model_type", default="")
     if model_type == "falcon" and not config_field(config, "new_decoder_architecture", default=False):
         # Falcon-7B's config keeps num_kv_heads == num_attention_heads but sets multi_query=True:
@@ -101,7 +105,11 @@ def kv_dims(config) -> tuple[int, int, int]:
     n_kv = check_int(n_kv, "the number of key/value heads")
     if n_head % n_kv:
         raise ValueError(f"{n_head} query heads cannot be shared evenly by {n_kv} key/value heads")
+    return n_kv
 
+
+def head_dim_of(config, n_head: int) -> int:
+    """A config's head size: an explicit ``head_dim``, else the hidden size over ``n_head``."""
     head_dim = config_field(config, "head_dim")
     if head_dim is None:
         hidden = config_field(config, "hidden_size", "n_embd", "d_model")
@@ -112,7 +120,7 @@ def kv_dims(config) -> tuple[int, int, int]:
             raise ValueError(f"hidden size {hidden} is not divisible by {n_head} heads; "
                              "set head_dim explicitly")
         head_dim = hidden // n_head
-    return n_layer, n_kv, check_int(head_dim, "head_dim")
+    return check_int(head_dim, "head_dim")
 
 
 def context_length(config) -> int | None:

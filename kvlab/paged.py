@@ -210,6 +210,16 @@ def paged_gather(pool: torch.Tensor, block_table, seq_len: int) -> torch.Tensor:
     return torch.cat(blocks, dim=1)[:, :seq_len]
 
 
+def block_index(tables: list[list[int]], device=None) -> torch.Tensor:
+    """The block tables of a batch as one LongTensor ``[batch, width]``, ``width`` the longest table's
+    length; shorter tables are padded with block 0 (whatever it holds is hidden by the lengths)."""
+    width = max(len(t) for t in tables)
+    idx = torch.zeros(len(tables), width, dtype=torch.long)
+    for i, t in enumerate(tables):
+        idx[i, :len(t)] = torch.as_tensor(list(t), dtype=torch.long)
+    return idx.to(device)
+
+
 def batched_gather(pool: torch.Tensor, tables: list[list[int]], lengths: list[int]):
     """Every sequence of a batch in one indexing op (the faster gather).
 
@@ -222,15 +232,19 @@ def batched_gather(pool: torch.Tensor, tables: list[list[int]], lengths: list[in
                          f"{len(tables)} tables but {len(lengths)} lengths; pass lengths=[n for each table]")
     for i, (t, n) in enumerate(zip(tables, lengths)):
         _check_gather(pool, t, n, f"lengths[{i}]")
-    bs, width = pool.shape[2], max(len(t) for t in tables)
-    idx = torch.zeros(len(tables), width, dtype=torch.long)
-    for i, t in enumerate(tables):
-        idx[i, :len(t)] = torch.as_tensor(list(t), dtype=torch.long)
-    x = pool[idx.to(pool.device)]                                    # [B, width, heads, bs, D]
-    B, _, H, _, D = x.shape
+    idx = block_index(tables, pool.device)
+    x = pool[idx]                                                    # [B, width, heads, bs, D]
+    B, width, H, bs, D = x.shape
     x = x.permute(0, 2, 1, 3, 4).reshape(B, H, width * bs, D)
     valid = torch.arange(width * bs, device=pool.device)[None] < torch.tensor(lengths, device=pool.device)[:, None]
     return x, valid
+
+
+def joined_gather(pool: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """The blocks of ``index`` (``[n_seq, width]``, see :func:`block_index`) side by side in one row,
+    ``[1, heads, n_seq * width * block_size, head_dim]``: a ragged step's keys, one copy."""
+    x = pool[index.flatten()]                                        # [n_seq * width, heads, bs, D]
+    return x.transpose(0, 1).reshape(1, x.shape[1], -1, x.shape[3])
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -331,9 +345,13 @@ class PagedKVCache(Cache):
         flat = torch.tensor([xy for row in slots for xy in row], dtype=torch.long).T.to(dev)
         owner = torch.tensor([i for i, n in enumerate(counts) for _ in range(n)], device=dev)
         positions = torch.tensor([p + t for p, n in zip(past, counts) for t in range(n)], device=dev)[None]
-        self._plan = dict(blocks=flat[0], offsets=flat[1], owner=owner, positions=positions,
-                          tables=[self.allocator.block_table(s) for s in seq_ids],
-                          lengths=[p + n for p, n in zip(past, counts)], key_pos=None)
+        tables = [self.allocator.block_table(s) for s in seq_ids]
+        lengths = [p + n for p, n in zip(past, counts)]
+        index = block_index(tables, dev)
+        slots = torch.arange(index.shape[1] * self.block_size, device=dev)
+        self._plan = dict(blocks=flat[0], offsets=flat[1], owner=owner, positions=positions, tables=tables,
+                          lengths=lengths, index=index, key_pos=None,
+                          valid=slots[None] < torch.tensor(lengths, device=dev)[:, None])
         return positions
 
     def next_positions(self, batch, T, device=None):
@@ -349,12 +367,15 @@ class PagedKVCache(Cache):
         self.next_positions(k.shape[0], k.shape[2])               # refuses a pass begin_step did not plan
         plan = self._plan
         self.write(layer, plan["blocks"], plan["offsets"], k[0].transpose(0, 1), v[0].transpose(0, 1))
-        keys, values, valid = self.read(layer, plan["tables"], plan["lengths"])   # [n_seq, H, S, D]
+        if self.gather is None:      # every sequence's blocks in one indexing op, side by side
+            keys, values = (joined_gather(pool[layer], plan["index"]) for pool in (self.keys, self.values))
+            valid = plan["valid"]
+        else:                        # a learner's gather, one sequence at a time, then side by side
+            keys, values, valid = self.read(layer, plan["tables"], plan["lengths"])   # [n_seq, H, S, D]
+            keys, values = (x.transpose(0, 1).reshape(1, x.shape[1], -1, x.shape[3]) for x in (keys, values))
         if plan["key_pos"] is None:
             plan["key_pos"] = ragged_key_pos(valid, plan["owner"])
-        n_seq, H, S, D = keys.shape
-        join = lambda x: x.transpose(0, 1).reshape(1, H, n_seq * S, D)   # noqa: E731  sequences side by side
-        return join(keys), join(values), plan["key_pos"]
+        return keys, values, plan["key_pos"]
 
     def check_room(self, T: int, limit: int) -> None:
         """Nothing to check here: ``begin_step``'s caller checks each sequence (:func:`ragged_forward` does)."""

@@ -74,6 +74,8 @@ class StaticCache(Cache):
         return self._write(layer, k, v, self.position, positions)
 
     def _write(self, layer, k, v, start, positions):
+        """Chapter 8: write the ``T`` new tokens at slots ``start ..`` (``start`` a 0-d tensor), record
+        their positions, advance ``position`` after the last layer; return the whole buffers."""
         T = k.shape[2]
         if k.shape[:2] != (self.batch_size, self.n_head) or k.shape[3] != self.head_dim or v.shape != k.shape:
             raise ValueError(
@@ -111,8 +113,8 @@ class StaticCache(Cache):
         self.position.zero_()
 
     def rewind(self, length: int) -> None:
-        """Forget every token from slot ``length`` on: the next write goes there. Slots after it keep
-        positions later than any new query's until they are rewritten, so nothing stale is seen."""
+        """Forget every token from slot ``length`` on: the next write goes there, and the slots after
+        it are marked ``EMPTY`` again (in place: a compiled step holds these buffers)."""
         self._check_rewind(length)
         self.slot_pos[:, length:] = EMPTY
         self.position.fill_(length)
@@ -188,9 +190,7 @@ class Lab8Cache(Cache):
         self._check_rewind(length)
         self.position.fill_(length)
 
-    @property
-    def seq_len(self):
-        return int(self.position)
+    seq_len = StaticCache.seq_len
 
     @property
     def nbytes(self):
@@ -249,7 +249,8 @@ class StaticDecoder:
         self.cuda_graphs = False
 
     def _step(self, ids):
-        """One decode step: ids ``[B, 1]`` at the cache's position -> the greedy next ids ``[B]``."""
+        """One decode step (chapter 8): ids ``[B, 1]`` at the cache's position -> the greedy next ids
+        ``[B]``, through the model's one forward."""
         return self.model(ids, self.cache, last_only=True)[:, -1].argmax(dim=-1)
 
     def compile(self, backend="inductor", mode: str | None = None, fullgraph: bool = True, **kwargs):

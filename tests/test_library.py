@@ -173,3 +173,27 @@ def test_bench_command_checks_tokens_then_times(capsys):
     assert "identical tokens" in out
     assert "first call" in out and "compilation included" in out          # compile time apart
     assert "x floor" in out and "floor of this generation here" in out   # chapter 7's ratio, printed
+
+
+def test_init_lists_every_module():
+    """kvlab/__init__.py names every module of the library (issue 21: a reader's map of it)."""
+    import pathlib
+
+    import kvlab
+
+    modules = {p.stem for p in pathlib.Path(kvlab.__file__).parent.glob("*.py")} - {"__init__"}
+    missing = sorted(m for m in modules if f"``{m}``" not in kvlab.__doc__)
+    assert not missing, f"kvlab/__init__.py does not mention {missing}"
+
+
+def test_domain_modules_print_plot_and_tabulate_nothing():
+    """Measurement lives in the measurement layer: the domain modules never print or plot (issue 21)."""
+    import pathlib
+    import re
+
+    import kvlab
+
+    root = pathlib.Path(kvlab.__file__).parent
+    for name in ("gpt2", "cache", "static", "paged", "serving", "quant"):
+        src = (root / f"{name}.py").read_text()
+        assert not re.search(r"\bprint\(|\bplt\.|\bax\.|matplotlib", src), f"kvlab/{name}.py prints or plots"
