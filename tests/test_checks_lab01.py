@@ -6,7 +6,10 @@ import torch
 from kvlab.checks import check_naive_generate
 from kvlab.generate import naive_generate as reference
 
-from conftest import expect_rejected
+from conftest import expect_rejected, own_copy
+
+reference = own_copy(reference)          # the graders refuse the library's own code
+
 
 
 def test_accepts_reference(capsys):

@@ -14,7 +14,10 @@ from kvlab.checks import check_cached_generate
 from kvlab.generate import cached_generate as reference
 from kvlab.generate import naive_generate
 
-from conftest import expect_rejected
+from conftest import expect_rejected, own_copy
+
+reference, naive_generate = own_copy(reference), own_copy(naive_generate)   # not the library's own
+
 
 
 def greedy(out):
@@ -214,6 +217,8 @@ def test_rejects(impl, needles):
 
 from kvlab.checks import check_generate_until  # noqa: E402
 from kvlab.generate import cached_generate as reference_cached  # noqa: E402
+
+reference_cached = own_copy(reference_cached)
 
 
 @torch.no_grad()

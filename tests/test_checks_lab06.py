@@ -12,7 +12,12 @@ from kvlab.batching import positions_from_mask
 from kvlab.checks import check_batched_generate, check_make_batch
 from kvlab.generate import cached_generate
 
-from conftest import expect_rejected
+from conftest import expect_rejected, own_copy
+
+# the graders refuse the library's own code: the tests hand in copies, as a learner's would be
+reference_generate, reference_make_batch = own_copy(reference_generate), own_copy(reference_make_batch)
+cached_generate = own_copy(cached_generate)
+
 
 
 def test_accepts_reference(capsys):

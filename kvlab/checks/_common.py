@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import functools
 import inspect
+import os
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -275,3 +276,227 @@ def run_cases(cases, grade) -> int:
     for case in cases:
         grade(case)
     return len(cases)
+
+
+# ------------------------------------------------------------------ what every check does around it
+
+_CHECKS_DIR = os.path.dirname(os.path.abspath(__file__))
+_KVLAB_DIR = os.path.dirname(_CHECKS_DIR)
+
+
+def _in_kvlab(module: str | None) -> bool:
+    return bool(module) and (module == "kvlab" or module.startswith("kvlab."))
+
+
+def library_origin(obj) -> str | None:
+    """``"kvlab.x.name"`` when ``obj`` is (or hands straight on to) the library's own code: a kvlab
+    function, class or callable object; a bound method, ``functools.partial`` or ``functools.wraps``
+    wrapper of one; a class that inherits a concrete kvlab class. ``None``: the learner's own."""
+    for _ in range(8):                     # peel wrappers: partial, bound method, functools.wraps
+        inner = (getattr(obj, "func", None) if isinstance(obj, functools.partial)
+                 else getattr(obj, "__func__", None) or getattr(obj, "__wrapped__", None))
+        if inner is None:
+            break
+        obj = inner
+    if inspect.isclass(obj):
+        for klass in obj.__mro__:
+            if _in_kvlab(klass.__module__) and not inspect.isabstract(klass):
+                return f"{klass.__module__}.{klass.__qualname__}"
+        return None
+    if inspect.isfunction(obj) or inspect.isbuiltin(obj):
+        code = getattr(obj, "__code__", None)
+        from_file = code is not None and os.path.abspath(code.co_filename).startswith(_KVLAB_DIR)
+        if _in_kvlab(getattr(obj, "__module__", None)) or from_file:
+            return f"{obj.__module__}.{obj.__qualname__}"
+        return None
+    if callable(obj) and _in_kvlab(type(obj).__module__):
+        return f"{type(obj).__module__}.{type(obj).__qualname__}"
+    return None
+
+
+def refuse_library(check: str, args) -> None:
+    """A learner who hands the library's own reference to a grader is told to write their own."""
+    for a in args:
+        where = library_origin(a)
+        if where is not None:
+            raise fail(check, f"you handed in {where}, the library's own implementation (or a "
+                              "class built on it). The exercise is to write it yourself: define "
+                              "your own function or class in the notebook and pass that")
+
+
+def _grader_frame(tb) -> bool:
+    return os.path.abspath(tb.tb_frame.f_code.co_filename).startswith(_CHECKS_DIR)
+
+
+def _learner_frames(tb):
+    """A traceback without its leading grader frames (what is left: the learner's code, and the
+    library or torch code it called)."""
+    while tb is not None and _grader_frame(tb):
+        tb = tb.tb_next
+    return tb
+
+
+def _trimmed(failure: BaseException) -> BaseException:
+    """``failure`` with the grader's frames cut: a learner reads their own mistake and the message,
+    not the grader's source (its table of mistakes, the answer's formula). Its cause, if any, is
+    the learner's own exception, trimmed to the learner's frames (and dropped if none is left)."""
+    cause, seen = failure.__cause__, {id(failure)}
+    while isinstance(cause, GraderFailure) and id(cause) not in seen:   # a verdict explained again
+        seen.add(id(cause))
+        cause = cause.__cause__
+    if cause is not None:
+        cause.__traceback__ = _learner_frames(cause.__traceback__)
+        cause.__context__, cause.__cause__ = None, None
+        if cause.__traceback__ is None:
+            cause = None
+    failure.__cause__, failure.__context__ = cause, None
+    failure.__suppress_context__ = True
+    if not isinstance(failure, GraderFailure):          # a stub's NotImplementedError: their frames
+        failure.__traceback__ = _learner_frames(failure.__traceback__)
+    else:
+        failure.__traceback__ = None
+    return failure
+
+
+def grader(check=None, *, own_work: bool = True):
+    """Decorate a ``check_*``: it refuses the library's own implementations (``own_work``) and, when
+    it fails, raises its verdict without the grader's frames in the traceback."""
+    def wrap(check):
+        @functools.wraps(check)
+        def run(*args, **kwargs):
+            __tracebackhide__ = True  # noqa: F841 - pytest and IPython hide this frame
+            try:
+                if own_work:
+                    refuse_library(check.__name__, list(args) + list(kwargs.values()))
+                return check(*args, **kwargs)
+            except (GraderFailure, NotImplementedError) as e:
+                verdict = e
+            except Exception as e:  # noqa: BLE001 - what was handed in broke the grading itself
+                verdict = fail(check.__name__, f"grading stopped on {type(e).__name__}: {e}. What "
+                                               "you handed in does not follow the contract the "
+                                               "exercise describes (a missing method or "
+                                               "attribute, another return type?)")
+                verdict.__cause__ = e
+            # The check failed. Its message, below, names the mistake and the fix; the grader's
+            # own frames are cut from this traceback (what is left above is your code).
+            raise _trimmed(verdict)
+        return run
+    return wrap if check is None else wrap(check)
+
+
+# ---------------------------------------------------------------- inputs, devices, values read back
+
+def _tensor_items(args, kwargs, names):
+    for i, a in enumerate(args):
+        yield (names[i] if i < len(names) else f"argument #{i + 1}"), a
+    yield from kwargs.items()
+
+
+def call_unmodified(check: str, what: str, fn, *args, **kwargs):
+    """:func:`learner_call`, then a failure naming any tensor argument the call modified in place
+    (a position tensor as much as q, k, v: the caller still uses it)."""
+    try:
+        names = list(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        names = []
+    before = [(n, t, t.clone()) for n, t in _tensor_items(args, kwargs, names)
+              if isinstance(t, torch.Tensor)]
+    out = learner_call(check, what, fn, *args, **kwargs)
+    for name, t, saved in before:
+        same = (t.shape == saved.shape and t.dtype == saved.dtype) if t.device.type == "meta" \
+            else t.shape == saved.shape and t.dtype == saved.dtype and torch.equal(t, saved)
+        if not same:
+            raise fail(check, f"{what} modified its argument {name} in place; the caller still "
+                              "uses it. Compute new tensors (x + 1, not x += 1 or x.add_(1))")
+    return out
+
+
+def held_tensors(obj, depth: int = 2):
+    """Every tensor an object holds in its attributes (directly, or in lists/tuples/dicts, nested
+    ``depth`` deep), as (name, tensor)."""
+    def walk(name, v, d):
+        if isinstance(v, torch.Tensor):
+            yield name, v
+        elif d > 0 and isinstance(v, dict):
+            for k, x in v.items():
+                yield from walk(f"{name}[{k!r}]", x, d - 1)
+        elif d > 0 and isinstance(v, (list, tuple)):
+            for i, x in enumerate(v):
+                yield from walk(f"{name}[{i}]", x, d - 1)
+    for k, v in getattr(obj, "__dict__", {}).items():
+        yield from walk(k, v, depth)
+
+
+def misplaced(tensors, device: str, dtype=None) -> list[str]:
+    """Names of the ``(name, tensor)`` pairs not on ``device`` (or, floating point, not ``dtype``)."""
+    bad = []
+    for name, t in tensors:
+        if t.device.type != torch.device(device).type:
+            bad.append(f"{name} on {t.device}")
+        elif dtype is not None and t.is_floating_point() and t.dtype != dtype:
+            bad.append(f"{name} in {t.dtype}")
+    return bad
+
+
+class ValueReads:
+    """Counts every read of a tensor's value back into Python inside a ``with`` block: ``.item()``,
+    ``int()``/``float()``/``bool()``/indexing with a tensor (the aten op ``_local_scalar_dense``),
+    ``.tolist()``, ``.numpy()``, iterating over a tensor. Eager code does not mind; under
+    ``torch.compile`` each is a graph break, and the value becomes a constant of the next graph.
+    ``what`` lists them, e.g. ``['.tolist()', 'int()/.item()']``."""
+
+    _METHODS = {"tolist": ".tolist()", "numpy": ".numpy()", "__iter__": "iterating over a tensor",
+                "item": "int()/.item()", "__int__": "int()/.item()", "__float__": "int()/.item()",
+                "__bool__": "bool(tensor) (an if on a tensor)", "__index__": "int()/.item()"}
+
+    def __init__(self):
+        self.what: list[str] = []
+
+    def __enter__(self):
+        from torch.overrides import TorchFunctionMode
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        reads = self
+
+        class _Functions(TorchFunctionMode):
+            def __torch_function__(self, func, types, args=(), kwargs=None):
+                name = getattr(func, "__name__", "")
+                if name in ValueReads._METHODS:
+                    reads.what.append(ValueReads._METHODS[name])
+                return func(*args, **(kwargs or {}))
+
+        class _Dispatch(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                if func is torch.ops.aten._local_scalar_dense.default:
+                    reads.what.append("int()/.item()")
+                return func(*args, **(kwargs or {}))
+
+        self._modes = [_Functions(), _Dispatch()]
+        for m in self._modes:
+            m.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        for m in reversed(self._modes):
+            m.__exit__(*exc)
+        return False
+
+    @property
+    def count(self) -> int:
+        return len(self.what)
+
+    def named(self) -> str:
+        return ", ".join(dict.fromkeys(self.what))
+
+
+# ------------------------------------------------------------------------ diagnoses, confirmed
+
+def confirmed(hypotheses, probes):
+    """The first ``(explains, message)`` whose ``explains(probe)`` holds on EVERY probe (two or more
+    inputs: one coincidence must not name a mistake), else ``None``."""
+    if len(probes) < 2:
+        raise ValueError("confirm a diagnosis on two or more inputs")
+    for explains, message in hypotheses:
+        if all(explains(p) for p in probes):
+            return message
+    return None
