@@ -193,6 +193,16 @@ class Call:
     cache: object
     cache_len: int | None       # get_seq_length() before the call (None: no cache passed)
     use_cache: object
+    autocast: str | None = None     # the dtype torch.autocast imposed on the call, if any
+    ran_in: torch.dtype | None = None   # the dtype of the logits it returned
+
+
+def _autocast() -> str | None:
+    """The autocast dtype in force right now (CPU or CUDA), or None."""
+    for device in ("cpu", "cuda"):
+        if torch.is_autocast_enabled(device):
+            return str(torch.get_autocast_dtype(device)).replace("torch.", "")
+    return None
 
 
 def _cache_len(cache):
@@ -216,11 +226,15 @@ class Recorder:
         take = lambda t: None if t is None else t.detach().cpu().clone()  # noqa: E731
         call = Call(take(a.get("input_ids")), take(a.get("attention_mask")),
                     take(a.get("position_ids")),
-                    cache, _cache_len(cache), a.get("use_cache", extra.get("use_cache")))
+                    cache, _cache_len(cache), a.get("use_cache", extra.get("use_cache")),
+                    _autocast())
         self.calls.append(call)
         if self.on_call is not None:
             self.on_call(call, len(self.calls))
-        return self.inner(*args, **kwargs)
+        out = self.inner(*args, **kwargs)
+        logits = getattr(out, "logits", None)
+        call.ran_in = logits.dtype if isinstance(logits, torch.Tensor) else None
+        return out
 
 
 def _refuse_generate(check):
@@ -256,6 +270,15 @@ class LearnerModel:
             raise fail(self.check, "your function changed the model it was given: "
                                    + "; ".join(changes)
                                    + ". Leave the model as it is (work on your own tensors)")
+        dtype = next(self.reference.parameters()).dtype
+        for k, c in enumerate(self.record.calls, start=1):
+            if c.autocast is not None or c.ran_in not in (None, dtype):
+                how = (f"under torch.autocast({c.autocast})" if c.autocast is not None else
+                       f"in {c.ran_in} (its logits came back in {c.ran_in})")
+                raise fail(self.check, f"forward call #{k} ran {how}: the model was given to you "
+                                       f"in {dtype} and must compute in {dtype}. In lower "
+                                       "precision the argmax can change (it happened not to on "
+                                       "these prompts); drop the autocast / the cast")
 
     @property
     def calls(self):
@@ -474,9 +497,18 @@ class ValueReads:
         self._modes = [_Functions(), _Dispatch()]
         for m in self._modes:
             m.__enter__()
+        # iterating reads no value by itself, but hands out 0-d tensors, and indexing with those
+        # makes torch.compile stop (a data-dependent index): watch it too
+        self._iter = torch.Tensor.__iter__
+
+        def iterate(tensor):
+            reads.what.append("iterating over a tensor")
+            return self._iter(tensor)
+        torch.Tensor.__iter__ = iterate
         return self
 
     def __exit__(self, *exc):
+        torch.Tensor.__iter__ = self._iter
         for m in reversed(self._modes):
             m.__exit__(*exc)
         return False

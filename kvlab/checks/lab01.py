@@ -49,7 +49,11 @@ def single_prompt_cases(model, tok, sizes=(1, 4, 9)) -> list[Case]:
     eos_prompt = torch.cat([prompts[1], torch.tensor([[tok.eos_token_id]]), prompts[3]], 1)
     want = reference_greedy(model, prompts[2], 8)
     texts = [Case(f"grader text {i}", p, n) for i, p in enumerate(prompts[:3]) for n in sizes[i % 2:]]
+    # the same length and budget as an earlier case, other tokens: a remembered answer shows
+    twin = Case("grader text 0's length again, other tokens",
+                synthetic(prompts[0].shape[1], tok.vocab_size, salt=5), sizes[1])
     return texts + [
+        twin,
         Case("a one-token prompt", synthetic(1, tok.vocab_size), 6),
         Case("max_new_tokens=0", prompts[0], 0),
         Case("a prompt that fills the context exactly", synthetic(ctx - 2, tok.vocab_size), 2),
@@ -105,6 +109,22 @@ def no_cache_rule(check: str, calls, T: int) -> None:
                               "tokens) at every step")
 
 
+def stale(check: str, prompt, out, want, answers) -> None:
+    """Name a generator that hands back an earlier answer: its new tokens are those of an earlier
+    prompt of the same length (a result remembered by shape, or kept from the previous call)."""
+    T = prompt.shape[1]
+    if torch.equal(out, want):
+        return
+    for earlier, new in answers:
+        if earlier.shape == prompt.shape and not torch.equal(earlier, prompt) \
+                and out.shape[1] == T + len(new) and torch.equal(out[0, T:], new):
+            raise fail(check, f"prompt of {T} tokens: your new tokens are exactly those of an "
+                              f"EARLIER prompt of the same length ({new.tolist()[:6]}...), not "
+                              "this prompt's: your function remembers an earlier answer (a "
+                              "result kept by shape, or state left from the previous call). "
+                              "Compute every call from the prompt it is given")
+
+
 def compare_tokens(check: str, model, out, want, T: int, n: int) -> None:
     i = first_difference(out[0], want[0])
     if i >= 0:
@@ -120,6 +140,7 @@ def grade_single_prompts(check: str, fn_name: str, fn, use_cache: bool, rule, on
     lab's own ``rule(calls, T, n)`` on the forward calls it made. Returns the number of cases."""
     model, tok = grading_model()
     guard = LearnerModel(check, model)
+    answers: list = []          # (prompt, new tokens) of the cases graded so far
 
     def grade(case: Case) -> None:
         T, n = case.prompt.shape[1], case.n
@@ -132,7 +153,9 @@ def grade_single_prompts(check: str, fn_name: str, fn, use_cache: bool, rule, on
             stopped_early(check, out, T, n, case.eos)
         check_generated_ids(check, out, case.prompt, before, n)
         rule(guard.calls, T, n)
+        stale(check, case.prompt, out.cpu(), want, answers)
         compare_tokens(check, model, out.cpu(), want, T, n)
+        answers.append((case.prompt, out[0, T:].cpu()))
 
     return run_cases(single_prompt_cases(model, tok), grade)
 
@@ -205,7 +228,9 @@ def check_sample_generate(sample_generate) -> None:
     prompts = fresh_prompts(tok)
     guard = LearnerModel(NAME_SAMPLE, model)
     # the first case samples hot (1.4, no top-k): there a greedy or mis-seeded sampler shows at once
-    cases = [(prompts[3], 10, 12, 1.4, None), (prompts[0], 12, 11, 0.7, 20),
+    # the second case repeats the first under another seed: a remembered answer shows
+    cases = [(prompts[3], 10, 12, 1.4, None), (prompts[3], 10, 16, 1.4, None),
+             (prompts[0], 12, 11, 0.7, 20),
              (prompts[2], 8, 13, 1.0, 5),
              (prompts[1], 6, 14, 0.3, 1), (synthetic(1, tok.vocab_size), 5, 15, 2.0, 50)]
 
@@ -217,6 +242,19 @@ def check_sample_generate(sample_generate) -> None:
             torch.manual_seed(seed)
             out = learner_call(NAME_SAMPLE, what, sample_generate, mine, prompt, n, t, k)
         check_generated_ids(NAME_SAMPLE, out, prompt, prompt.clone(), n)
+        greedy = reference_greedy(model, prompt, n, use_cache=False)
+        if not torch.equal(out.cpu(), want) and not torch.equal(out.cpu(), greedy):
+            with guard.case() as mine:                 # the same call under another seed
+                torch.manual_seed(seed + 1000)
+                other = learner_call(NAME_SAMPLE, what, sample_generate, mine, prompt, n, t, k)
+            if torch.equal(other.cpu(), out.cpu()) and not torch.equal(want, hf_sample(
+                    model, prompt, n, seed + 1000, t, k)):
+                raise fail(NAME_SAMPLE, f"{what} gave the same tokens after torch.manual_seed("
+                                        f"{seed}) and after torch.manual_seed({seed + 1000}): "
+                                        "your sampler does not draw from the global generator "
+                                        "that torch.manual_seed sets (a generator of your own, "
+                                        "or a remembered result). Call torch.multinomial(probs, "
+                                        "1) without generator=")
         if not torch.equal(out.cpu(), want):
             raise fail(NAME_SAMPLE, f"{what} after torch.manual_seed({seed}): "
                                     + _diagnose_sampling(model, out.cpu(), case))
