@@ -152,8 +152,8 @@ def grade_single_prompts(check: str, fn_name: str, fn, use_cache: bool, rule, on
         if case.eos is not None:
             stopped_early(check, out, T, n, case.eos)
         check_generated_ids(check, out, case.prompt, before, n)
-        rule(guard.calls, T, n)
         stale(check, case.prompt, out.cpu(), want, answers)
+        rule(guard.calls, T, n)
         compare_tokens(check, model, out.cpu(), want, T, n)
         answers.append((case.prompt, out[0, T:].cpu()))
 
