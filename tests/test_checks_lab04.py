@@ -159,3 +159,33 @@ def test_max_seq_len():
     expect_rejected(check_max_seq_len, lambda *a: max_seq_len(*a, cap=False), "context")
     expect_rejected(check_max_seq_len, lambda *a: max_seq_len(*a, ceil=True), "round down")
     expect_rejected(check_max_seq_len, lambda *a: float(max_seq_len(*a)), "int")
+
+
+# ------------------------------------------------ issue 24: an explicit head_dim, stale answers
+
+def mb_hidden_over_heads(config, seq_len, dtype, free_bytes):
+    return free_bytes // hidden_over_heads(config, seq_len, 1, dtype)
+
+
+def seq_hidden_over_heads(config, batch_size, dtype, free_bytes):
+    per = hidden_over_heads(config, 1, batch_size, dtype)
+    return min(free_bytes // per, config.max_position_embeddings)
+
+
+_SEEN: dict = {}
+
+
+def bytes_remembered_per_config_class(config, seq_len, batch_size, dtype):
+    """Remembers the first answer per config object: the same config asked twice shows it."""
+    key = (type(config).__name__, id(config))
+    return _SEEN.setdefault(key, correct(config, seq_len, batch_size, dtype))
+
+
+def test_rejects_hidden_over_heads_in_batch_and_length():
+    expect_rejected(check_max_batch_size, mb_hidden_over_heads, "sets head_dim = 256 explicitly")
+    expect_rejected(check_max_seq_len, seq_hidden_over_heads, "sets head_dim = 256 explicitly")
+
+
+def test_rejects_a_remembered_answer():
+    _SEEN.clear()
+    expect_rejected(check_kv_cache_bytes, bytes_remembered_per_config_class, "twice the tokens")
