@@ -1,5 +1,6 @@
 # kvlab: two commands do everything on a fresh machine.
 #   make book   - create .venv, install, build the HTML book (every chapter executed), print where it is
+#   make grade  - a learner's scorecard: the labs you filled in, through nbval (make grade LAB=07: one lab)
 #   make test   - everything CI checks: library + grader tests, labs, every solution through nbval, book build with -W,
 #                 then the built book in a headless browser (Debian's chromium, via Playwright)
 SHELL := /bin/bash
@@ -16,7 +17,7 @@ export TOKENIZERS_PARALLELISM ?= false
 # hqq (chapter 5) builds optional CUDA kernels at install time otherwise; its PyTorch path needs none.
 export DISABLE_CUDA ?= 1
 
-.PHONY: book test venv node labs labs-check clean clean-book unit notebooks build-strict browser bench cxx lane-code lane-book
+.PHONY: book test venv node labs labs-check grade clean clean-book unit notebooks build-strict browser bench cxx lane-code lane-book
 
 # torch.compile on a CPU (chapter 8, lab 8) writes C++ and builds it with $CXX, else g++: fail early
 # with a clear message, not deep inside a notebook. CI installs g++ (.ci/run).
@@ -45,6 +46,13 @@ labs: venv
 
 labs-check: venv
 	$(PY) -m kvlab.labs --check
+
+# A learner's scorecard: every started lab in labs/ through nbval, one row per lab (see kvlab/grade.py).
+#   make grade            every lab;   make grade LAB=07   one lab
+# Exits 1 if a started lab fails; a lab not started (every exercise still its stub) is not run.
+# GRADE_ARGS=--require-pass: a lab not started fails too (the GitHub Classroom tests of kvlab.release).
+grade: venv
+	$(PY) -m kvlab.grade $(if $(LAB),--lab $(LAB)) $(GRADE_ARGS)
 
 book: cxx venv node
 	$(VENV)/bin/jupyter-book build . -W -n --keep-going

@@ -18,21 +18,33 @@ repository and runs ``kvlab/install.py`` from the clone: it checks that the clon
 release, installs ``requirements-lab.txt`` keeping an installed torch (Colab's; a warning if it
 lies outside the tested range), then the library itself.
 
-    python -m kvlab.labs            # regenerate labs/ (and the solutions' setup blocks)
-    python -m kvlab.labs --check    # exit 1 if labs/ is out of date (what the tests run)
+Nothing here overwrites what a learner wrote. Every generated lab records, in its metadata
+(``kvlab.cells``), a fingerprint of each cell as generated, and which cells are exercises
+(``kvlab.exercises``). A cell whose content no longer matches its fingerprint (or that the lab did
+not have) is the **learner's**: the in-sync check compares everything else, and regenerating a lab
+that holds learner's cells is refused unless asked for with ``--overwrite``, which first saves the
+lab to ``labs/backup/``. ``kvlab.grade`` reads the same record (a lab is started when an exercise
+cell differs from its stub). The record is plain JSON, read here without nbformat or torch.
+
+    python -m kvlab.labs                # regenerate labs/ (and the solutions' setup blocks)
+    python -m kvlab.labs --check        # exit 1 if labs/ is out of date (what the tests run)
+    python -m kvlab.labs --overwrite    # also regenerate labs holding a learner's work (backup first)
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
+import json
 import re
 import sys
+import time
 from pathlib import Path
 
-import nbformat
-
 from . import __version__
-from .models import REPO_ROOT
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+BACKUP_DIR = Path("labs") / "backup"
 
 BEGIN, END = "# BEGIN SOLUTION", "# END SOLUTION"
 SETUP_BEGIN, SETUP_END, OLD_SETUP_END = "# Setup", "# end of setup", "sys.path.insert(0,"
@@ -122,7 +134,7 @@ def stub_source(source: str, where: str) -> str:
     return "\n".join(out)
 
 
-def set_setup(nb: nbformat.NotebookNode, block: str, where: str) -> nbformat.NotebookNode:
+def set_setup(nb, block: str, where: str):
     first = next((c for c in nb.cells if c.cell_type == "code"), None)
     if first is None:
         raise ValueError(f"{where}: no code cell")
@@ -130,8 +142,37 @@ def set_setup(nb: nbformat.NotebookNode, block: str, where: str) -> nbformat.Not
     return nb
 
 
-def make_lab(solution: nbformat.NotebookNode, where: str = "notebook", block: str | None = None
-             ) -> nbformat.NotebookNode:
+# --- the record: what each cell was when generated -------------------------------------------
+
+STUB = re.compile(r'raise NotImplementedError\("Exercise: write (.+?) \(see the instructions above\)"\)')
+
+
+def cell_source(cell) -> str:
+    """A cell's source as one string (nbformat joins it; the raw JSON may hold a list of lines)."""
+    src = cell.get("source", "")
+    return "".join(src) if isinstance(src, list) else src
+
+
+def cell_hash(cell) -> str:
+    """The fingerprint of a cell's type and source (outputs and metadata do not count)."""
+    return hashlib.sha256(f"{cell['cell_type']}\n{cell_source(cell)}".encode()).hexdigest()[:16]
+
+
+def record(lab, where: str) -> dict:
+    """The lab's ``kvlab`` metadata: every cell's fingerprint by id, and the exercises' names by id."""
+    cells, exercises = {}, {}
+    for k, cell in enumerate(lab.cells):
+        if not cell.get("id") or cell.id in cells:
+            raise ValueError(f"{where} cell {k}: missing or repeated cell id (save it as nbformat 4.5)")
+        cells[cell.id] = cell_hash(cell)
+        if cell.cell_type == "code" and STUB.search(cell.source):
+            exercises[cell.id] = STUB.findall(cell.source)
+    return {"generated_from": f"solutions/{Path(where).name}", "cells": cells, "exercises": exercises}
+
+
+def make_lab(solution, where: str = "notebook", block: str | None = None):
+    import nbformat
+
     lab = set_setup(nbformat.from_dict(solution), block or setup_block(), where)
     n_regions = 0
     for k, cell in enumerate(lab.cells):
@@ -143,8 +184,86 @@ def make_lab(solution: nbformat.NotebookNode, where: str = "notebook", block: st
         cell.get("metadata", {}).pop("execution", None)
     if n_regions == 0:
         raise ValueError(f"{where}: no '{BEGIN}' region, so the lab would have no exercise")
-    lab.metadata.setdefault("kvlab", {})["generated_from"] = f"solutions/{Path(where).name}"
+    lab.metadata["kvlab"] = record(lab, where)
     return lab
+
+
+# --- a lab as a learner left it ---------------------------------------------------------------
+
+def _meta(lab) -> dict:
+    return lab.get("metadata", {}).get("kvlab") or {}
+
+
+def learner_cells(lab, generated=None) -> list[int]:
+    """Indices of the cells a learner wrote or changed: neither what the lab recorded when it was
+    generated nor (when given) what ``generated`` holds now under the same id."""
+    rec = _meta(lab).get("cells") or {}
+    now = {c.get("id"): cell_hash(c) for c in generated["cells"]} if generated else {}
+    mine = []
+    for k, cell in enumerate(lab["cells"]):
+        h, cid = cell_hash(cell), cell.get("id")
+        if h != rec.get(cid) and h != now.get(cid):
+            mine.append(k)
+    return mine
+
+
+def started(lab) -> list[int] | None:
+    """Indices of the exercise cells that differ from their stubs (a deleted one counts as -1);
+    None when the lab has no record (not generated by this version: unknown)."""
+    meta = _meta(lab)
+    if "exercises" not in meta:
+        return None
+    rec, by_id = meta.get("cells") or {}, {c.get("id"): k for k, c in enumerate(lab["cells"])}
+    out = []
+    for cid in meta["exercises"]:
+        k = by_id.get(cid, -1)
+        if k < 0 or cell_hash(lab["cells"][k]) != rec.get(cid):
+            out.append(k)
+    return sorted(out)
+
+
+def describe(lab, k: int) -> str:
+    """A learner-readable name of cell ``k``: its exercise, else its first line."""
+    if k < 0:
+        return "a deleted exercise cell"
+    cell = lab["cells"][k]
+    names = (_meta(lab).get("exercises") or {}).get(cell.get("id"))
+    if names:
+        return f"cell {k} (exercise {', '.join(names)})"
+    if cell.get("id") not in (_meta(lab).get("cells") or {}):
+        return f"cell {k} (a cell you added)"
+    first = next((line.strip() for line in cell_source(cell).splitlines() if line.strip()), "")
+    return f"cell {k} ({first[:40] + ('...' if len(first) > 40 else '')})"
+
+
+def _has_outputs(lab) -> bool:
+    return any(c.get("outputs") or c.get("execution_count") for c in lab["cells"] if c["cell_type"] == "code")
+
+
+def stale_reasons(lab, gen) -> list[str]:
+    """Why ``lab`` is out of date against ``gen`` (the lab as generated now), every learner's cell
+    aside: a cell the learner has not touched differs, or appeared, vanished or moved in solutions/;
+    or a cell the learner changed was itself changed in solutions/ since the lab was generated."""
+    rec = _meta(lab).get("cells") or {}
+    mine = {lab["cells"][k].get("id") for k in learner_cells(lab, gen)}
+    ids = [c.get("id") for c in lab["cells"]]
+    have = dict(zip(ids, lab["cells"]))
+    want = {c["id"]: c for c in gen["cells"]}
+    reasons = []
+    for cid, cell in want.items():
+        if cid not in have:
+            if cid not in rec:
+                reasons.append(f"solutions/ has a new cell ({cid})")
+        elif cid not in mine and cell_hash(have[cid]) != cell_hash(cell):
+            reasons.append(f"{describe(lab, ids.index(cid))} differs from solutions/")
+        elif cid in mine and rec.get(cid) not in (None, cell_hash(cell)):
+            reasons.append(f"{describe(lab, ids.index(cid))} was changed in solutions/ after you began it")
+    reasons += [f"{describe(lab, k)} is no longer in solutions/" for k, cid in enumerate(ids)
+                if cid not in want and cid not in mine and cid in rec]
+    common = [cid for cid in ids if cid in want and cid not in mine]
+    if not reasons and common != [cid for cid in want if cid in set(common)]:
+        reasons.append("its cells are in another order than in solutions/")
+    return reasons
 
 
 def lab_pairs(root: Path = REPO_ROOT):
@@ -154,30 +273,102 @@ def lab_pairs(root: Path = REPO_ROOT):
 
 def render(sol: Path, block: str) -> tuple[str, str]:
     """(the solution with its setup block regenerated, the lab), as notebook files' text."""
+    import nbformat
+
     nb = set_setup(nbformat.read(sol, as_version=4), block, str(sol))
     lab = make_lab(nb, where=str(sol), block=block)
     return nbformat.writes(nb, version=4) + "\n", nbformat.writes(lab, version=4) + "\n"
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--check", action="store_true", help="only report labs that are out of date")
-    args = ap.parse_args(argv)
-    stale, block = [], setup_block()
-    for sol, lab in lab_pairs():
-        for path, text in zip((sol, lab), render(sol, block)):
-            if path.exists() and path.read_text() == text:
-                continue
-            if args.check:
-                stale.append(path)
-            else:
-                path.parent.mkdir(exist_ok=True)
-                path.write_text(text)
-                print(f"wrote {path.relative_to(REPO_ROOT)}")
-    if stale:
-        print("out of date (run `python -m kvlab.labs`): " + ", ".join(str(s.relative_to(REPO_ROOT)) for s in stale))
+def lab_status(path: Path, text: str) -> tuple[list[str], list[int], dict | None]:
+    """(why the lab at ``path`` is out of date, its learner's cells, its JSON) against ``text``,
+    the lab as generated now. A lab nobody touched (no learner's cell, no outputs) must equal the
+    generated file exactly; one a learner worked in is compared without the learner's cells."""
+    if not path.exists():
+        return ["missing"], [], None
+    old = path.read_text()
+    if old == text:
+        return [], [], None
+    try:
+        lab = json.loads(old)
+    except ValueError as err:
+        return [f"not a notebook ({err})"], [], None
+    gen = json.loads(text)
+    mine = learner_cells(lab, gen)
+    if not mine and not _has_outputs(lab):
+        return ["differs from what solutions/ generates"], [], lab
+    return stale_reasons(lab, gen), mine, lab
+
+
+def backup(path: Path, root: Path = REPO_ROOT) -> Path:
+    """Copy the lab at ``path`` to labs/backup/NAME.<UTC time>.ipynb (never over an older backup)."""
+    folder = root / BACKUP_DIR
+    folder.mkdir(parents=True, exist_ok=True)
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    dest, n = folder / f"{path.stem}.{stamp}.ipynb", 1
+    while dest.exists():
+        n += 1
+        dest = folder / f"{path.stem}.{stamp}-{n}.ipynb"
+    dest.write_bytes(path.read_bytes())
+    return dest
+
+
+def _refusal(refused, root: Path) -> str:
+    lines = ["NOT regenerated, because they hold your work (cells that differ from the generated lab):"]
+    for path, lab, mine in refused:
+        cells = ", ".join(describe(lab, k) for k in mine)
+        lines.append(f"  {path.relative_to(root)}: {cells}")
+    lines.append("Nothing was changed in them. To replace them with the generated labs anyway, run\n"
+                 "  python -m kvlab.labs --overwrite\n"
+                 f"which first copies each one to {BACKUP_DIR}/<name>.<UTC time>.ipynb and prints where.")
+    return "\n".join(lines)
+
+
+def sync(root: Path = REPO_ROOT, check: bool = False, overwrite: bool = False) -> int:
+    """Regenerate (or with ``check`` only compare) every solution's setup block and lab."""
+    stale, refused, block = [], [], setup_block(root)
+    for sol, lab_path in lab_pairs(root):
+        sol_text, lab_text = render(sol, block)
+        if not sol.read_text() == sol_text:
+            stale.append((sol, ["not as regenerated (its setup block, or its JSON formatting)"]))
+            if not check:
+                sol.write_text(sol_text)
+                print(f"wrote {sol.relative_to(root)}")
+        reasons, mine, lab = lab_status(lab_path, lab_text)
+        if not reasons:
+            continue
+        stale.append((lab_path, reasons))
+        if check:
+            continue
+        if mine and not overwrite:
+            refused.append((lab_path, lab, mine))
+            continue
+        if mine:
+            print(f"saved your version of {lab_path.relative_to(root)} to {backup(lab_path, root).relative_to(root)}")
+        lab_path.parent.mkdir(exist_ok=True)
+        lab_path.write_text(lab_text)
+        print(f"wrote {lab_path.relative_to(root)}")
+    if refused:
+        print(_refusal(refused, root), file=sys.stderr)
+        return 1
+    if check and stale:
+        print("out of date (run `python -m kvlab.labs`):")
+        for path, reasons in stale:
+            print(f"  {path.relative_to(root)}: " + "; ".join(reasons))
         return 1
     return 0
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--check", action="store_true", help="only report what is out of date (learner's cells aside)")
+    ap.add_argument("--overwrite", action="store_true",
+                    help="also regenerate labs holding a learner's cells, after copying each to labs/backup/")
+    ap.add_argument("--root", type=Path, default=REPO_ROOT, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.check and args.overwrite:
+        ap.error("--check only compares; it cannot be combined with --overwrite")
+    return sync(args.root.resolve(), check=args.check, overwrite=args.overwrite)
 
 
 if __name__ == "__main__":

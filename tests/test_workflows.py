@@ -39,8 +39,8 @@ def actionlint(*files):
                           cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
 
 
-def test_there_are_the_two_workflows():
-    assert {p.name for p in WORKFLOWS} >= {"ci.yml", "pages.yml"}
+def test_there_are_the_workflows():
+    assert {p.name for p in WORKFLOWS} >= {"ci.yml", "pages.yml", "grade.yml"}
 
 
 def test_actionlint_is_clean():
@@ -83,3 +83,47 @@ def test_pages_uses_the_official_actions_and_keeps_the_execution_cache():
     cache = next(s for s in _steps(wf) if s.get("uses", "").startswith("actions/cache"))
     assert cache["with"]["path"] == "_build/.jupyter_cache"
     assert any(s.get("run") == "make book" for s in _steps(wf))
+
+
+def _mode_gated(wf, run):
+    """The step running ``run`` and the mode step it is gated on (kvlab.grade --which)."""
+    steps = _steps(wf)
+    mode = next(s for s in steps if "kvlab.grade --which" in s.get("run", ""))
+    step = next(s for s in steps if s.get("run", "").strip() == run)
+    assert mode["id"] == "mode" and steps.index(mode) < steps.index(step)
+    return step
+
+
+def test_ci_skips_the_maintainers_tests_only_on_a_learners_fork():
+    wf = yaml.safe_load((REPO_ROOT / ".github/workflows/ci.yml").read_text())
+    assert _mode_gated(wf, "bash .ci/run")["if"] == "steps.mode.outputs.mode == 'maintainer'"
+
+
+def test_grade_runs_make_grade_on_a_learners_fork():
+    wf = yaml.safe_load((REPO_ROOT / ".github/workflows/grade.yml").read_text())
+    assert "push" in wf[True]
+    assert _mode_gated(wf, "make grade")["if"] == "steps.mode.outputs.mode == 'learner'"
+    # with nothing started, the scorecard still goes to the summary, with nothing installed
+    assert _mode_gated(wf, "python3 -m kvlab.grade")["if"] == "steps.mode.outputs.mode != 'learner'"
+    assert "make grade" in (REPO_ROOT / "README.md").read_text()
+
+
+def test_the_classroom_workflow_of_a_release_lints(tmp_path):
+    from kvlab import release
+
+    tests = [("lab01_naive_generation", "01", 2), ("lab07_roofline", "07", 3)]
+    wf_path = tmp_path / "classroom.yml"
+    wf_path.write_text(release.classroom_workflow(tests))
+    r = actionlint(wf_path)
+    assert r.returncode == 0, r.stdout + r.stderr
+    exe = Path(sys.executable).with_name("check-jsonschema")
+    r = subprocess.run([str(exe), "--builtin-schema", "vendor.github-workflows", str(wf_path)],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    wf = yaml.safe_load(wf_path.read_text())
+    graders = [s for s in _steps(wf) if s.get("uses", "").startswith("classroom-resources/autograding-command-grader")]
+    assert [g["with"]["command"].split()[:3] for g in graders] == [["make", "grade", "LAB=01"], ["make", "grade", "LAB=07"]]
+    assert all("--require-pass" in g["with"]["command"] for g in graders)
+    assert [g["with"]["max-score"] for g in graders] == [2, 3]
+    reporter = _steps(wf)[-1]
+    assert reporter["with"]["runners"] == "lab01,lab07" and set(reporter["env"]) == {"LAB01_RESULTS", "LAB07_RESULTS"}
