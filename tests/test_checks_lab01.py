@@ -291,3 +291,24 @@ def test_library_refused():
 
     expect_rejected(check_naive_generate, naive_generate, "kvlab.generate.naive_generate",
                     "write it yourself")
+
+
+@torch.no_grad()
+def second_to_last_on_grader_text_0_only(model, ids, n):
+    """Takes the second-to-last position's argmax, but only for prompts that start like grader text
+    0: one prompt cannot tell this from a coincidence, so the grader must not name the mistake."""
+    from kvlab.checks._common import GRADER_TEXTS
+    from kvlab.models import load
+
+    first = load("kvlab-tiny")[1](GRADER_TEXTS[0]).input_ids[0]
+    if int(ids[0, 0]) != first or ids.shape[1] < 2:
+        return reference(model, ids, n)
+    for _ in range(n):
+        ids = torch.cat([ids, model(ids).logits[:, -2].argmax(-1, keepdim=True)], 1)
+    return ids
+
+
+def test_a_diagnosis_needs_a_second_prompt():
+    msg = expect_rejected(check_naive_generate, second_to_last_on_grader_text_0_only,
+                          "on another prompt your tokens came out right")
+    assert "SECOND-TO-LAST" not in msg
