@@ -1,10 +1,25 @@
 """kvlab: the small library behind the book "The KV cache, built and measured".
 
-One module per idea: ``models`` (load every model the book uses), ``generate`` (reference
-generators), ``timing`` (honest timing), ``checks`` (the lab graders), ``labs`` (solutions -> labs).
-Later chapters add ``gpt2`` and ``cache`` (chapter 3), ``memory`` (the arithmetic), ``measure`` (what
-tensors really hold) and ``calculator`` (chapter 4), ``quant`` (chapter 5), ``batching`` (chapter 6), ``static`` and
-``staticbench`` (chapter 8), ``paged`` and ``serving`` (chapter 9).
+One module per idea. The domain (what the book builds; these compute and never print, plot or tabulate):
+
+* ``models`` (load every model the book uses), ``generate`` (reference generators, chapters 1-2);
+* ``gpt2`` (the hand-built GPT-2 and its ONE forward pass) and ``cache`` (the cache interface, its one
+  mask rule and chapter 3's caches): the model never changes, only the cache does;
+* ``memory`` (the arithmetic of chapter 4), ``quant`` (quantized caches, chapter 5), ``batching``
+  (left-padded batches, chapter 6), ``roofline`` (the floor of a decode step, chapter 7), ``static``
+  (the static cache and a compiled decode step, chapter 8), ``paged`` and ``serving`` (paged memory and
+  the serving engine, chapter 9).
+
+The measurement layer (checks, timings, tables, plots and computed sentences):
+
+* ``harness`` (one same-tokens check, one rewind-and-time step, one table printer), ``timing`` (honest
+  timing), ``measure`` (what tensors really hold), ``calculator`` (chapter 4's calculator), ``verdicts``
+  (sentences computed from measurements), ``plots`` (figures with provenance);
+* per chapter: ``floorbench`` (7), ``staticbench`` (8), ``servingbench`` (9); across the book: ``bench``
+  (the headline ratios), ``report`` (a device's measurements as JSON) and ``results`` (reading them back).
+
+Tooling: ``checks`` (the lab graders), ``labs`` (solutions -> labs), ``install`` (the library in a bare
+Jupyter).
 """
 
 __version__ = "0.1.0"

@@ -141,6 +141,39 @@ def generate_batch(model, input_ids, attention_mask, max_new_tokens: int, eos_to
     return torch.stack(columns, dim=1)
 
 
+def positions_with_pads(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Positions of a left-padded batch for the hand-built GPT-2: like :func:`positions_from_mask`, but
+    a pad gets ``kvlab.cache.EMPTY`` (-1), so the cache stores it at a position no query ever sees:
+    the pads are data, not a mask of their own."""
+    from .cache import EMPTY
+
+    return (attention_mask.long().cumsum(-1) - 1).masked_fill(attention_mask == 0, EMPTY)
+
+
+@torch.no_grad()
+def generate_padded(model, input_ids, attention_mask, max_new_tokens: int, cache=None) -> torch.Tensor:
+    """Greedy new tokens ``[B, max_new_tokens]`` of a left-padded batch through the hand-built GPT-2
+    (:class:`kvlab.gpt2.GPT2`) and its one forward: the pads go in at position ``EMPTY``, every row's
+    real tokens at ``0, 1, 2, ...``; each decode step continues every row from its own last position.
+    ``cache`` (reset first) defaults to a :class:`kvlab.cache.PreallocatedCache` just big enough."""
+    _check_batch(model, input_ids, attention_mask, max_new_tokens)
+    device = model.wte.weight.device
+    ids, mask = input_ids.to(device), attention_mask.to(device)
+    B, T = ids.shape
+    cache = cache if cache is not None else model.new_cache(B, max_len=T + max_new_tokens)
+    cache.reset()
+    positions = positions_with_pads(mask)
+    logits = model(ids, cache, positions=positions, last_only=True)       # prefill, pads included
+    new = ids.new_empty(B, max_new_tokens)
+    nxt = positions[:, -1:] + 1                                          # left padding: column -1 is real
+    for t in range(max_new_tokens):
+        new[:, t] = logits[:, -1].argmax(dim=-1)
+        if t + 1 < max_new_tokens:
+            logits = model(new[:, t:t + 1], cache, positions=nxt, last_only=True)
+            nxt = nxt + 1
+    return new
+
+
 def batched_generate(model, tokenizer, prompts, max_new_tokens: int, stop_at_eos: bool = False) -> list[list[int]]:
     """Greedy new token ids of each prompt, computed for all prompts together.
 

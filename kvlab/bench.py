@@ -21,8 +21,13 @@ import argparse
 
 import torch
 
-from . import gpt2, models, roofline, static, timing
+from . import gpt2, harness, models, roofline, static, timing
+from .cli import at_least
 from .generate import cached_generate, hf_greedy, naive_generate
+
+
+class BadArguments(ValueError):
+    """An argument that only the loaded model shows to be wrong (a prompt beyond its context)."""
 
 
 def run(model_name: str, new_tokens: int, prompt_len: int, repeats: int, threads: int | None,
@@ -34,7 +39,8 @@ def run(model_name: str, new_tokens: int, prompt_len: int, repeats: int, threads
     ours = gpt2.GPT2.from_hf(hf).to(device).eval()
     ctx = hf.config.n_positions
     if prompt_len + new_tokens > ctx:
-        raise SystemExit(f"prompt {prompt_len} + {new_tokens} new tokens exceeds the context of {ctx}")
+        raise BadArguments(f"--prompt-len {prompt_len} + --new-tokens {new_tokens} = {prompt_len + new_tokens} "
+                           f"exceeds {model_name}'s context of {ctx} positions; ask for fewer")
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, hf.config.vocab_size, (1, prompt_len), generator=g).to(device)
 
@@ -46,10 +52,10 @@ def run(model_name: str, new_tokens: int, prompt_len: int, repeats: int, threads
     if naive:
         runs["naive (no cache)"] = lambda: naive_generate(hf, prompt, new_tokens)
     first_call = _add_compiled(runs, hf, ours, prompt, new_tokens, device) if compiled else {}
-    reference = runs["transformers generate (DynamicCache)"]()
-    for name, fn in runs.items():
-        if not torch.equal(fn().cpu(), reference.cpu()):
-            raise SystemExit(f"{name} does not reproduce transformers' greedy tokens: not timing it")
+    try:
+        harness.same_tokens(runs, "transformers generate (DynamicCache)")
+    except RuntimeError as e:
+        raise SystemExit(str(e)) from None
     print(f"all {len(runs)} generators give identical tokens ({new_tokens} new, prompt {prompt_len})")
 
     res = timing.compare(runs, warmup=0, repeats=repeats)   # the correctness pass above was the warm-up
@@ -107,15 +113,23 @@ def _floor(hf, device, prompt_len: int, new_tokens: int) -> float:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="kvlab-tiny", help="any name kvlab.models.load accepts")
-    ap.add_argument("--new-tokens", type=int, default=200)
-    ap.add_argument("--prompt-len", type=int, default=8)
-    ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--threads", type=int, default=None, help="CPU threads (default: KVLAB_THREADS or all cores)")
+    ap.add_argument("--new-tokens", type=at_least(1), default=200)
+    ap.add_argument("--prompt-len", type=at_least(1), default=8)
+    ap.add_argument("--repeats", type=at_least(1), default=5)
+    ap.add_argument("--threads", type=at_least(1), default=None,
+                    help="CPU threads (default: KVLAB_THREADS or all cores)")
     ap.add_argument("--no-naive", action="store_true", help="skip the (slow) uncached generator")
     ap.add_argument("--no-compile", action="store_true", help="skip the compiled generators (chapter 8)")
     args = ap.parse_args(argv)
-    run(args.model, args.new_tokens, args.prompt_len, args.repeats, args.threads, naive=not args.no_naive,
-        compiled=not args.no_compile)
+    try:
+        models.pick_device()              # KVLAB_DEVICE, checked before anything is loaded
+    except ValueError as e:
+        ap.error(str(e))
+    try:
+        run(args.model, args.new_tokens, args.prompt_len, args.repeats, args.threads, naive=not args.no_naive,
+            compiled=not args.no_compile)
+    except (BadArguments, models.ModelNotAvailable) as e:   # found when loading, before any timing
+        ap.error(str(e))
 
 
 if __name__ == "__main__":

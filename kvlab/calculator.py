@@ -55,6 +55,8 @@ def all_models() -> dict[str, dict]:
 def human_bytes(n: float, binary: bool = True) -> str:
     """``16777216 -> '16.0 MiB'`` (binary, powers of 1024) or ``'16.8 MB'`` (decimal, powers of 1000)."""
     base, units = (1024, ["B", "KiB", "MiB", "GiB", "TiB"]) if binary else (1000, ["B", "kB", "MB", "GB", "TB"])
+    if isinstance(n, bool) or not isinstance(n, (int, float)):
+        raise ValueError(f"human_bytes takes a number of bytes, got {n!r}")
     x, i = float(n), 0
     while abs(x) >= base and i < len(units) - 1:
         x /= base
@@ -68,7 +70,9 @@ def calculator(config, seq_len: int, batch_size: int, dtype, weights_dtype=torch
 
     Returns ``cache_bytes``, ``weights_bytes`` (in ``weights_dtype``), ``total_bytes``, and per GPU
     size (GiB): whether it fits and the largest batch at this ``seq_len`` after the weights.
+    ``config`` may also be a name of :func:`all_models` (``"gpt2"``, ``"Llama-3.1-8B"``...).
     """
+    config, dtype, weights_dtype = _check_setting(config, seq_len, batch_size, dtype, weights_dtype, gpus_gb)
     cache = kv_cache_bytes(config, seq_len, batch_size, dtype)
     weights = weights_bytes(config, weights_dtype)
     gpus = {}
@@ -81,6 +85,26 @@ def calculator(config, seq_len: int, batch_size: int, dtype, weights_dtype=torch
             "per_token_bytes": bytes_per_token(config, dtype), "gpus": gpus,
             "beyond_context": bool(ctx and seq_len > ctx), "context": ctx,
             "weights_dtype": str(as_dtype(weights_dtype)).replace("torch.", "")}
+
+
+def _check_setting(config, seq_len, batch_size, dtype, weights_dtype, gpus_gb):
+    """Refuse what the arithmetic would otherwise take silently (True as a batch, a 0 GiB GPU)."""
+    if isinstance(config, str):
+        table = all_models()
+        if config not in table:
+            raise ValueError(f"unknown model {config!r}; pass a config, or a name of all_models(): {sorted(table)}")
+        config = table[config]
+    for value, what in ((seq_len, "seq_len"), (batch_size, "batch_size")):
+        if isinstance(value, bool):
+            raise ValueError(f"{what} must be an int >= 0, got {value!r}")
+    if isinstance(gpus_gb, (int, float)):
+        raise ValueError(f"gpus_gb is a list of GPU sizes in GiB, got the single number {gpus_gb}; "
+                         f"pass [{gpus_gb}]")
+    bad = [g for g in gpus_gb if isinstance(g, bool) or not isinstance(g, (int, float)) or not 0 < g < float("inf")]
+    if bad:
+        raise ValueError(f"gpus_gb lists GPU memory sizes in GiB, each a number > 0; got {bad[0]!r} "
+                         f"in {list(gpus_gb)}")
+    return config, as_dtype(dtype), as_dtype(weights_dtype)
 
 
 def plot_calculator(result: dict, ax, title: str = "") -> None:
@@ -118,12 +142,12 @@ def calculator_widget(configs: dict, default: str | None = None):
 
     def redraw(*_):
         try:
-            r = calculator(configs[model.value], ctx.value, max(batch.value, 0), dtype.value)
+            r = calculator(configs[model.value], ctx.value, batch.value, dtype.value)   # a bad batch: said so
         except ValueError as e:
             text.value = f"<pre>error: {html.escape(str(e))}</pre>"
             return
         box.result = r
-        text.value = "<pre>" + html.escape(calculator_text(model.value, ctx.value, max(batch.value, 0),
+        text.value = "<pre>" + html.escape(calculator_text(model.value, ctx.value, batch.value,
                                                            dtype.value, r)) + "</pre>"
         # Render off-screen into the Image widget rather than plt.show() inside an Output widget:
         # no display messages are captured mid-execution, which kept headless runs (nbclient) from

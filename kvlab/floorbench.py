@@ -19,7 +19,7 @@ import sys
 import torch
 from tqdm.auto import tqdm
 
-from . import gpt2, plots, roofline, timing
+from . import gpt2, harness, plots, roofline, timing
 from .generate import cached_generate, hf_greedy
 
 # ---------------------------------------------------------------------------------------------------
@@ -46,12 +46,7 @@ def step_fn(model, batch_size: int, seq_len: int, seed: int = 0):
         if seq_len:
             model(ids[:, :seq_len], cache, last_only=True)        # prefill once
 
-        def step():
-            with torch.no_grad():
-                out = model(ids[:, seq_len:], cache, last_only=True)
-                cache.truncate(seq_len)        # rewind: the next write goes to position seq_len again
-                return out
-        return step
+        return harness.rewinding_step(model, cache, ids[:, seq_len:], seq_len)   # every call: the same step
     cache = DynamicCache(config=model.config)
     if seq_len:
         model(ids[:, :seq_len], cache=cache, use_cache=True)
@@ -87,10 +82,7 @@ def generators_vs_floor(hf, prompt_len: int, new_tokens: int, threads_list=(None
     runs = dict(zip(GENERATORS, (lambda: hf_greedy(hf, prompt, new_tokens),
                                  lambda: cached_generate(hf, prompt, new_tokens),
                                  lambda: gpt2.generate(ours, prompt, new_tokens))))
-    reference = runs[GENERATORS[0]]()
-    for name, fn in runs.items():               # a fast wrong generator is not a result
-        if not torch.equal(fn(), reference):
-            raise RuntimeError(f"{name} does not reproduce transformers' greedy tokens")
+    harness.same_tokens(runs)                   # a fast wrong generator is not a result
     rows = []
     for threads in threads_list:
         if device.type == "cpu" and threads:

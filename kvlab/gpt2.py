@@ -27,7 +27,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .cache import PreallocatedCache
+from .cache import EMPTY, PastLenCache, PreallocatedCache, as_cache, visible
 from .generate import check_inputs
 
 
@@ -50,7 +50,7 @@ class GPT2Config:
 
 
 # ---------------------------------------------------------------------------------------------------
-# Attention for queries that sit after `past_len` cached positions
+# Attention
 
 
 def attention(q, k, v, past_len: int):
@@ -85,12 +85,42 @@ def sdpa_attention(q, k, v, past_len: int):
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 
+def masked_attention(q, k, v, mask):
+    """The model's attention: ``q`` ``[B, H, T, D]`` over ``k``, ``v`` ``[B, H, S, D]``, where ``mask``
+    (bool, broadcastable to ``[B, H, T, S]``, True = may attend) comes from :func:`kvlab.cache.visible`."""
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+masked_attention.takes_mask = True
+
+
+class PastLenAttention:
+    """Lab 3's contract in the one forward: ``attention(q, k, v, past_len)`` builds its own causal mask
+    from ``past_len``, which is ``S - T`` for a cache that returns every key so far (lab 3's)."""
+
+    takes_mask = True
+
+    def __init__(self, fn: Callable):
+        self.fn = fn
+
+    def __call__(self, q, k, v, mask):
+        return self.fn(q, k, v, k.shape[-2] - q.shape[-2])
+
+
+def as_mask_attention(fn: Callable | None) -> Callable:
+    """``fn`` if it takes a mask (marked ``takes_mask``), else lab 3's form wrapped in :class:`PastLenAttention`."""
+    if fn is None:
+        return masked_attention
+    return fn if getattr(fn, "takes_mask", False) else PastLenAttention(fn)
+
+
 # ---------------------------------------------------------------------------------------------------
 # The model
 
 
 class CausalSelfAttention(nn.Module):
-    """GPT-2's attention with a KV cache (chapter 3): the new tokens' keys and values go through the cache."""
+    """GPT-2's attention with a KV cache (chapter 3): the new tokens' keys and values go through the
+    cache, which returns every key the queries may need and its position; one rule makes the mask."""
 
     def __init__(self, cfg: GPT2Config):
         super().__init__()
@@ -98,15 +128,17 @@ class CausalSelfAttention(nn.Module):
         self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd)   # q, k and v in one matmul, as GPT-2 stores them
         self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd)
 
-    def forward(self, x, layer: int, cache, attention_fn):
+    def forward(self, x, layer: int, cache, positions, attention_fn):
         B, T, C = x.shape
         q, k, v = self.c_attn(x).split(C, dim=2)
         # [B, T, C] -> [B, H, T, D]: each head attends on its own slice of the width
         q, k, v = (t.view(B, T, self.n_head, self.head_dim).transpose(1, 2) for t in (q, k, v))
-        if cache is not None:
-            k, v = cache.update(layer, k, v)      # now every key and value so far: [B, H, S, D]
-        past_len = k.shape[2] - T                 # taken from what the cache returned, not assumed
-        y = attention_fn(q, k, v, past_len)
+        if cache is None:
+            key_pos = positions[:, None, :]       # no past: the keys are the new tokens themselves
+        else:
+            k, v, key_pos = cache.update(layer, k, v, positions)   # every key the queries may need
+        mask = visible(positions, key_pos)[:, None]                 # [B, 1, T, S]: the one rule
+        y = attention_fn(q, k, v, mask)
         return self.c_proj(y.transpose(1, 2).reshape(B, T, C))
 
 
@@ -131,40 +163,56 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(cfg.n_embd, eps=cfg.layer_norm_epsilon)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, layer, cache, attention_fn):
-        x = x + self.attn(self.ln_1(x), layer, cache, attention_fn)   # pre-norm residual blocks
+    def forward(self, x, layer, cache, positions, attention_fn):
+        x = x + self.attn(self.ln_1(x), layer, cache, positions, attention_fn)   # pre-norm residual blocks
         return x + self.mlp(self.ln_2(x))
 
 
 class GPT2(nn.Module):
-    """GPT-2 (the LM-head model). ``attention_fn(q, k, v, past_len)`` and ``cache_cls`` are pluggable,
-    so the lab can run this model with a learner's attention and cache."""
+    """GPT-2 (the LM-head model): ONE forward pass, whatever the cache. ``attention_fn`` and
+    ``cache_cls`` are pluggable, so the labs can run this model with a learner's attention and cache
+    (lab 3's forms are wrapped: :class:`PastLenAttention`, :class:`kvlab.cache.PastLenCache`)."""
 
     def __init__(self, cfg: GPT2Config, attention_fn: Callable | None = None, cache_cls=None):
         super().__init__()
         self.config = cfg
-        self.attention_fn = attention_fn or sdpa_attention
+        self.attention_fn = attention_fn
         self.cache_cls = cache_cls or PreallocatedCache
         self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
         self.wpe = nn.Embedding(cfg.n_positions, cfg.n_embd)
         self.h = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
         self.ln_f = nn.LayerNorm(cfg.n_embd, eps=cfg.layer_norm_epsilon)
 
-    def forward(self, input_ids, cache=None, last_only: bool = False):
-        """Logits ``[B, T, vocab]`` for ``input_ids [B, T]`` that follow the ``cache.seq_len`` cached
-        tokens (``[B, 1, vocab]`` with ``last_only``: all that generation needs). Chapter 3."""
+    @property
+    def attention_fn(self) -> Callable:
+        return self._attention_fn
+
+    @attention_fn.setter
+    def attention_fn(self, fn):
+        self._attention_fn = as_mask_attention(fn)
+
+    def forward(self, input_ids, cache=None, positions=None, last_only: bool = False, select=None):
+        """Logits ``[B, T, vocab]`` for ``input_ids [B, T]`` at ``positions [B, T]`` (chapter 3).
+
+        ``positions=None`` continues the cache (``cache.next_positions``), or counts from 0 without
+        one; a position of ``kvlab.cache.EMPTY`` marks a pad, which no query sees. ``last_only``
+        keeps the last column (``[B, 1, vocab]``: all that generation needs); ``select`` (a
+        LongTensor of column indices) keeps those columns, e.g. each sequence's last token of a
+        ragged paged batch.
+        """
         B, T = input_ids.shape
-        past_len = cache.seq_len if cache is not None else 0
-        if past_len + T > self.config.n_positions:
-            raise ValueError(f"{past_len} cached + {T} new tokens = {past_len + T} exceeds GPT-2's context "
-                             f"of n_positions={self.config.n_positions}: there is no position embedding "
-                             "beyond it")
-        # the new tokens continue the sequence: their positions start where the cache ends
-        pos = torch.arange(past_len, past_len + T, device=input_ids.device)
-        x = self.wte(input_ids) + self.wpe(pos)
-        for i, block in enumerate(self.h):
-            x = block(x, i, cache, self.attention_fn)
-        if last_only:
+        if not torch.compiler.is_compiling():   # a compiled step gets a cache of the one interface
+            cache = as_cache(cache)
+            check_forward(self, input_ids, cache, positions)   # at the boundary, before any work
+        if positions is None:
+            positions = (torch.arange(T, device=input_ids.device).expand(B, T) if cache is None
+                         else cache.next_positions(B, T, input_ids.device))
+        x = self.wte(input_ids) + self.wpe(positions.clamp(min=0))   # a pad is embedded at position 0
+        for layer, block in enumerate(self.h):
+            x = block(x, layer, cache, positions, self.attention_fn)
+        if select is not None:
+            x = x[:, select]
+        elif last_only:
             x = x[:, -1:]
         return self.ln_f(x) @ self.wte.weight.T   # the LM head is the token embedding, transposed (tied)
 
@@ -178,7 +226,8 @@ class GPT2(nn.Module):
     @classmethod
     @torch.no_grad()
     def from_hf(cls, hf_model, attention_fn: Callable | None = None, cache_cls=None) -> "GPT2":
-        """Copy the weights of a transformers ``GPT2LMHeadModel`` (same dtype and device; chapter 3)."""
+        """Copy the weights of a transformers ``GPT2LMHeadModel`` (same dtype and device; chapter 3).
+        Every shape is checked before it is copied; a mismatch names the weight and both shapes."""
         cfg = GPT2Config.from_hf(hf_model.config)
         p = next(hf_model.parameters())
         model = cls(cfg, attention_fn, cache_cls).to(device=p.device, dtype=p.dtype)
@@ -186,11 +235,74 @@ class GPT2(nn.Module):
         # Conv1D layers store their weight as [in, out]; nn.Linear wants [out, in]
         conv1d = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
         for name, param in model.named_parameters():
-            src = sd["transformer." + name]
-            param.copy_(src.t() if name.endswith(conv1d) else src)
+            key = "transformer." + name
+            if key not in sd:
+                raise ValueError(f"the checkpoint has no weight {key!r}: is it a GPT2LMHeadModel?")
+            src = sd[key].t() if name.endswith(conv1d) else sd[key]
+            if src.shape != param.shape:
+                raise ValueError(f"weight {key!r}: the checkpoint's is {list(sd[key].shape)}"
+                                 f"{' (transposed: ' + str(list(src.shape)) + ')' if name.endswith(conv1d) else ''}"
+                                 f", the model expects {list(param.shape)}")
+            param.copy_(src)
         model.kvlab_name = getattr(hf_model, "kvlab_name", "custom")
         model.kvlab_kind = getattr(hf_model, "kvlab_kind", "?")
         return model.eval()
+
+
+def check_forward(model, input_ids, cache, positions) -> None:
+    """Bad input to :meth:`GPT2.forward`, refused before any work with an error naming the fix.
+    Positions the cache computes itself (``positions=None``) are checked against its length only:
+    no value is read back from the device on a decode step."""
+    B, T = input_ids.shape
+    limit = model.config.n_positions
+    if cache is not None:
+        check_cache_for(model, cache, B)
+    if positions is None:
+        if cache is not None:
+            cache.check_room(T, limit)
+        elif T > limit:
+            raise ValueError(f"{T} tokens exceed GPT-2's context of n_positions={limit}: there is no "
+                             "position embedding beyond it")
+        return
+    if not isinstance(positions, torch.Tensor) or positions.shape != (B, T) or positions.dtype != torch.long:
+        got = list(positions.shape) if isinstance(positions, torch.Tensor) else type(positions).__name__
+        raise ValueError(f"positions must be a LongTensor [batch, T] = {[B, T]} like input_ids, got {got}")
+    if T and int(positions.max()) >= limit:
+        raise ValueError(f"position {int(positions.max())} is past GPT-2's context of n_positions={limit}: "
+                         "there is no position embedding beyond it; shorten the prompt or generate less")
+    if T and int(positions.min()) < EMPTY:
+        raise ValueError(f"positions must be >= 0 (or EMPTY = {EMPTY} for a pad), got {int(positions.min())}")
+    real = positions.masked_fill(positions == EMPTY, -2)
+    if T > 1 and bool((real[:, 1:] <= real[:, :-1]).masked_select(positions[:, 1:] != EMPTY).any()):
+        raise ValueError("positions run backwards (or repeat) within a row: each row's real tokens must have "
+                         "increasing positions, pads (EMPTY) first")
+    if cache is not None:
+        check_after_cache(cache, positions, limit)
+
+
+def check_cache_for(model, cache, B) -> None:
+    """The cache must fit the model (checked on first use) and the batch."""
+    if not getattr(cache, "_checked_model", False) and not isinstance(cache, PastLenCache):
+        p = model.wte.weight
+        cache.check_model(model.config, p.dtype, p.device)
+        cache._checked_model = True
+    rows = cache.batch_size
+    if rows is not None and rows != B:
+        raise ValueError(f"the cache holds {rows} row(s) but the batch has {B}: one cache row per prompt "
+                         f"(build it with model.new_cache({B}), or reset and reuse one of that size)")
+
+
+def check_after_cache(cache, positions, limit) -> None:
+    """Explicit positions must come after every position the cache holds in that row."""
+    last = cache.last_positions()
+    if last is None or last.shape[0] != positions.shape[0]:
+        return
+    first = positions.masked_fill(positions == EMPTY, limit).amin(dim=1)
+    if bool((first <= last).any()):
+        row = int((first <= last).nonzero()[0])
+        raise ValueError(f"row {row}: position {int(first[row])} is not after position {int(last[row])} that the "
+                         "cache already holds (positions run backwards): rewind the cache first, or reset it "
+                         "for a new prompt")
 
 
 # ---------------------------------------------------------------------------------------------------

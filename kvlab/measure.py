@@ -19,7 +19,7 @@ from collections.abc import Mapping
 import torch
 
 from .cache import tensor_bytes
-from .memory import _count, _int, _model_from_json, as_dtype
+from .memory import as_dtype, check_count, check_int, model_from_json
 
 #: Per-layer bookkeeping that is not cached keys/values: int64 scalars holding StaticCache's write
 #: position and a sliding-window layer's window size.
@@ -61,7 +61,8 @@ def measured_cache_bytes(cache) -> int:
 
     Works for a transformers ``Cache`` (walks every layer's tensors: ``keys``, ``values``, and the
     quantized copies and scales of quantized layers; skips scalar bookkeeping such as ``StaticCache``'s
-    write position), a kvlab cache (walks its tensor attributes), or a list/tuple of tensors.
+    write position), a kvlab cache (walks its tensor attributes, less the positions it keeps, its
+    ``bookkeeping``: 8 bytes a token, not keys or values), or a list/tuple of tensors.
     Storage is counted once per distinct buffer, whole: a view of a bigger buffer counts the buffer.
     """
     if isinstance(cache, (list, tuple, torch.Tensor)):
@@ -72,7 +73,9 @@ def measured_cache_bytes(cache) -> int:
         return _storage_bytes(t for layer in cache.layers for name, value in vars(layer).items()
                               if name not in _BOOKKEEPING for t in _tensors(value))
     if hasattr(cache, "nbytes") and hasattr(cache, "update"):            # a kvlab cache
-        return _storage_bytes(t for value in vars(cache).values() for t in _tensors(value))
+        skip = getattr(cache, "bookkeeping", ())                          # positions, not keys/values
+        return _storage_bytes(t for name, value in vars(cache).items() if name not in skip
+                              for t in _tensors(value))
     raise ValueError(f"don't know how to read the tensors of a {type(cache).__name__}; pass a "
                      "transformers Cache, a kvlab cache, or a list of tensors")
 
@@ -84,7 +87,7 @@ def fill_dynamic_cache(model, seq_len: int, batch_size: int, decode_steps: int =
     Returns the cache, holding ``seq_len`` tokens per sequence (what the formula's ``seq_len`` means)."""
     from transformers import DynamicCache
 
-    seq_len, batch_size = _count(seq_len, "seq_len"), _int(batch_size, "batch_size")
+    seq_len, batch_size = check_count(seq_len, "seq_len"), check_int(batch_size, "batch_size")
     decode_steps = min(decode_steps, seq_len - 1) if seq_len > 1 else 0
     device = next(model.parameters()).device
     g = torch.Generator().manual_seed(seed)
@@ -104,7 +107,7 @@ def fill_dynamic_cache(model, seq_len: int, batch_size: int, decode_steps: int =
 @functools.lru_cache(maxsize=16)
 def _random_model(config_json: str, model_type: str, dtype: torch.dtype):
     torch.manual_seed(0)
-    return _model_from_json(config_json, model_type, dtype=dtype).eval()
+    return model_from_json(config_json, model_type, dtype=dtype).eval()
 
 
 def measure_config(config, seq_len: int, batch_size: int, dtype) -> int:

@@ -37,7 +37,7 @@ GIB = 2 ** 30
 # Reading the attention shape out of any config
 
 
-def _field(config, *names, default=None):
+def config_field(config, *names, default=None):
     """The first of ``names`` that ``config`` (object or dict) sets to something other than None."""
     for name in names:
         value = config.get(name) if isinstance(config, Mapping) else getattr(config, name, None)
@@ -46,7 +46,7 @@ def _field(config, *names, default=None):
     return default
 
 
-def _int(value, what: str, minimum: int = 1) -> int:
+def check_int(value, what: str, minimum: int = 1) -> int:
     """``value`` as an int >= ``minimum``, or a ValueError naming ``what``."""
     try:
         n = operator.index(value)   # ints (and numpy ints) only: 12.5 layers is a bug upstream
@@ -57,11 +57,11 @@ def _int(value, what: str, minimum: int = 1) -> int:
     return n
 
 
-def _count(value, what: str) -> int:
-    return _int(value, what, minimum=0)
+def check_count(value, what: str) -> int:
+    return check_int(value, what, minimum=0)
 
 
-def _config_of(config):
+def config_of(config):
     """The config itself, or a model's ``.config`` when a model was passed."""
     if not isinstance(config, Mapping) and hasattr(config, "config") and not hasattr(config, "to_dict"):
         return config.config
@@ -76,56 +76,56 @@ def kv_dims(config) -> tuple[int, int, int]:
     ``hidden_size``). An explicit ``head_dim`` wins over ``hidden_size / num_attention_heads``.
     Accepts a config object, a dict, or a model (its ``.config``).
     """
-    config = _config_of(config)
+    config = config_of(config)
     if config is None or isinstance(config, (str, bytes, int, float)):
         raise ValueError(f"expected a transformers config (or a dict of its fields), got {config!r}")
-    n_layer = _field(config, "num_hidden_layers", "n_layer", "num_layers")
-    n_head = _field(config, "num_attention_heads", "n_head")
+    n_layer = config_field(config, "num_hidden_layers", "n_layer", "num_layers")
+    n_head = config_field(config, "num_attention_heads", "n_head")
     if n_layer is None or n_head is None:
         raise ValueError("config has no layer count (num_hidden_layers / n_layer) or no head count "
                          "(num_attention_heads / n_head); pass a decoder's transformers config")
-    n_layer = _int(n_layer, "the number of layers")
-    n_head = _int(n_head, "the number of attention heads")
+    n_layer = check_int(n_layer, "the number of layers")
+    n_head = check_int(n_head, "the number of attention heads")
 
-    model_type = _field(config, "model_type", default="")
-    if model_type == "falcon" and not _field(config, "new_decoder_architecture", default=False):
+    model_type = config_field(config, "model_type", default="")
+    if model_type == "falcon" and not config_field(config, "new_decoder_architecture", default=False):
         # Falcon-7B's config keeps num_kv_heads == num_attention_heads but sets multi_query=True:
         # its attention then has a single key/value head (transformers' modeling_falcon does this).
-        n_kv = 1 if _field(config, "multi_query", default=True) else n_head
+        n_kv = 1 if config_field(config, "multi_query", default=True) else n_head
     elif model_type == "falcon":
         # Falcon-40B/180B (new decoder architecture): transformers expands the grouped K/V to every
         # query head *before* it stores them, so its cache holds num_attention_heads heads.
         n_kv = n_head
     else:
-        n_kv = _field(config, "num_key_value_heads", "num_kv_heads", "n_head_kv", default=n_head)
-    n_kv = _int(n_kv, "the number of key/value heads")
+        n_kv = config_field(config, "num_key_value_heads", "num_kv_heads", "n_head_kv", default=n_head)
+    n_kv = check_int(n_kv, "the number of key/value heads")
     if n_head % n_kv:
         raise ValueError(f"{n_head} query heads cannot be shared evenly by {n_kv} key/value heads")
 
-    head_dim = _field(config, "head_dim")
+    head_dim = config_field(config, "head_dim")
     if head_dim is None:
-        hidden = _field(config, "hidden_size", "n_embd", "d_model")
+        hidden = config_field(config, "hidden_size", "n_embd", "d_model")
         if hidden is None:
             raise ValueError("config sets neither head_dim nor hidden_size / n_embd")
-        hidden = _int(hidden, "the hidden size")
+        hidden = check_int(hidden, "the hidden size")
         if hidden % n_head:
             raise ValueError(f"hidden size {hidden} is not divisible by {n_head} heads; "
                              "set head_dim explicitly")
         head_dim = hidden // n_head
-    return n_layer, n_kv, _int(head_dim, "head_dim")
+    return n_layer, n_kv, check_int(head_dim, "head_dim")
 
 
 def context_length(config) -> int | None:
     """The longest sequence a model attends over (GPT-2: ``n_positions``, 1024), from a config, a
     dict (the open-models table's ``context``) or a model; None when the config does not say."""
-    n = _field(_config_of(config), "context", "max_position_embeddings", "n_positions")
+    n = config_field(config_of(config), "context", "max_position_embeddings", "n_positions")
     return None if n is None else int(n)
 
 
 def attention_kind(config) -> str:
     """``MHA`` (a K/V head per query head), ``MQA`` (one K/V head) or ``GQA`` (in between)."""
     _, n_kv, _ = kv_dims(config)
-    n_head = _field(_config_of(config), "num_attention_heads", "n_head")
+    n_head = config_field(config_of(config), "num_attention_heads", "n_head")
     return "MHA" if n_kv == n_head else "MQA" if n_kv == 1 else f"GQA ({n_head // n_kv} q/kv)"
 
 
@@ -182,8 +182,8 @@ def kv_cache_bytes(config, seq_len: int, batch_size: int, dtype) -> int:
     The factor 2 is one tensor for keys and one for values; every layer has its own pair.
     """
     n_layer, n_kv, head_dim = kv_dims(config)
-    seq_len = _count(seq_len, "seq_len")
-    batch_size = _count(batch_size, "batch_size")
+    seq_len = check_count(seq_len, "seq_len")
+    batch_size = check_count(batch_size, "batch_size")
     return 2 * n_layer * n_kv * head_dim * seq_len * batch_size * bytes_per_element(dtype)
 
 
@@ -195,7 +195,7 @@ def bytes_per_token(config, dtype) -> int:
 def max_batch_size(config, seq_len: int, dtype, free_bytes: int) -> int:
     """The largest batch whose cache of ``seq_len`` tokens per sequence fits in ``free_bytes`` (floor)."""
     per_sequence = kv_cache_bytes(config, seq_len, 1, dtype)
-    free_bytes = _count(free_bytes, "free_bytes")
+    free_bytes = check_count(free_bytes, "free_bytes")
     if per_sequence == 0:
         raise ValueError("seq_len is 0: an empty cache takes no memory, so every batch size fits")
     return free_bytes // per_sequence   # floor: a partly fitting sequence does not fit
@@ -205,7 +205,7 @@ def max_batch_size(config, seq_len: int, dtype, free_bytes: int) -> int:
 # Weights
 
 
-def _model_from_json(config_json: str, model_type: str, **kwargs):
+def model_from_json(config_json: str, model_type: str, **kwargs):
     """A transformers causal LM built from a config's fields (as sorted JSON, so callers can cache)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -217,7 +217,7 @@ def _model_from_json(config_json: str, model_type: str, **kwargs):
 @functools.lru_cache(maxsize=64)
 def _meta_parameter_count(config_json: str, model_type: str) -> int:
     with torch.device("meta"):   # shapes only: no memory, no initialisation cost
-        model = _model_from_json(config_json, model_type)
+        model = model_from_json(config_json, model_type)
     return sum(p.numel() for p in model.parameters())   # tied weights are one Parameter, counted once
 
 

@@ -24,11 +24,12 @@ copied before anyone appends to it (copy-on-write).
 
 from __future__ import annotations
 
+import operator
 from collections import deque
 
 import torch
 
-from .cache import Cache
+from .cache import EMPTY, Cache
 
 
 class OutOfBlocks(RuntimeError):
@@ -37,7 +38,19 @@ class OutOfBlocks(RuntimeError):
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
     """Blocks needed to hold ``num_tokens`` tokens: ``ceil(num_tokens / block_size)``."""
-    return -(-num_tokens // block_size)
+    _count(block_size, "block_size", minimum=1)
+    return -(-_count(num_tokens, "num_tokens") // block_size)
+
+
+def _count(value, what: str, minimum: int = 0) -> int:
+    """``value`` as an int >= ``minimum``; a bool, a float or a smaller number is refused."""
+    try:
+        n = None if isinstance(value, bool) else operator.index(value)
+    except TypeError:
+        n = None
+    if n is None or n < minimum:
+        raise ValueError(f"{what} must be an int >= {minimum}, got {value!r}")
+    return n
 
 
 class BlockAllocator:
@@ -48,8 +61,8 @@ class BlockAllocator:
     """
 
     def __init__(self, num_blocks: int, block_size: int):
-        if not isinstance(num_blocks, int) or not isinstance(block_size, int) or min(num_blocks, block_size) < 1:
-            raise ValueError(f"num_blocks and block_size must be ints >= 1, got {num_blocks!r}, {block_size!r}")
+        _count(num_blocks, "num_blocks (blocks in the pool)", minimum=1)
+        _count(block_size, "block_size (token slots per block)", minimum=1)
         self.num_blocks, self.block_size = num_blocks, block_size
         self._free = deque(range(num_blocks))        # FIFO: the least recently freed block goes out first
         self._refcount = [0] * num_blocks
@@ -67,6 +80,7 @@ class BlockAllocator:
         return blocks
 
     def _table(self, seq_id) -> list[int]:
+        _check_seq_id(seq_id)
         if seq_id not in self._tables:
             raise KeyError(f"unknown sequence {seq_id!r}: allocate() or fork() it first")
         return self._tables[seq_id]
@@ -74,10 +88,9 @@ class BlockAllocator:
     # -- the contract ---------------------------------------------------------------------------
     def allocate(self, seq_id, num_tokens: int) -> list[int]:
         """Block table of a new sequence that holds ``num_tokens`` tokens (its prompt)."""
-        if seq_id in self._tables:
+        if _check_seq_id(seq_id) in self._tables:
             raise ValueError(f"sequence {seq_id!r} already has blocks; free() it first")
-        if not isinstance(num_tokens, int) or num_tokens < 0:
-            raise ValueError(f"num_tokens must be an int >= 0, got {num_tokens!r}")
+        _count(num_tokens, "num_tokens (the prompt's length)")
         self._tables[seq_id] = self._take(blocks_for(num_tokens, self.block_size))  # all or nothing
         self._lengths[seq_id] = num_tokens
         return list(self._tables[seq_id])
@@ -85,7 +98,7 @@ class BlockAllocator:
     def fork(self, parent_id, child_id) -> None:
         """The child starts as a copy of the parent: same blocks (shared, counted), same length."""
         table = self._table(parent_id)
-        if child_id in self._tables:
+        if _check_seq_id(child_id) in self._tables:
             raise ValueError(f"sequence {child_id!r} already exists")
         for b in table:
             self._refcount[b] += 1
@@ -113,10 +126,28 @@ class BlockAllocator:
                 self._free.append(b)
         del self._tables[seq_id], self._lengths[seq_id]
 
+    def truncate(self, seq_id, num_tokens: int) -> None:
+        """Keep only the first ``num_tokens`` tokens of a sequence (a rewind): the blocks after them are
+        released (back to the free list when no other table holds them)."""
+        table, n = self._table(seq_id), self._lengths[seq_id]
+        if not isinstance(num_tokens, int) or not 0 <= num_tokens <= n:
+            raise ValueError(f"num_tokens must be an int between 0 and the {n} tokens of {seq_id!r}, "
+                             f"got {num_tokens!r}")
+        keep = blocks_for(num_tokens, self.block_size)
+        for b in table[keep:]:
+            self._refcount[b] -= 1
+            if self._refcount[b] == 0:
+                self._free.append(b)
+        del table[keep:]
+        self._lengths[seq_id] = num_tokens
+
     def block_table(self, seq_id) -> list[int]:
         return list(self._table(seq_id))
 
     def refcount(self, block: int) -> int:
+        """How many block tables hold ``block`` (0: it is free)."""
+        if not _is_block_id(block, self.num_blocks):
+            raise ValueError(f"block must be a block id, an int in [0, {self.num_blocks}), got {block!r}")
         return self._refcount[block]
 
     @property
@@ -124,8 +155,45 @@ class BlockAllocator:
         return len(self._free)
 
 
+def _is_block_id(b, num_blocks: int) -> bool:
+    """An integer (Python, numpy or a 0-d tensor; not a bool) in ``[0, num_blocks)``."""
+    if isinstance(b, bool):
+        return False
+    try:
+        return 0 <= operator.index(b) < num_blocks
+    except TypeError:
+        return False
+
+
+def _check_seq_id(seq_id):
+    """A sequence id is a dict key: it must be hashable (a str, an int, a tuple...)."""
+    try:
+        hash(seq_id)
+    except TypeError:
+        raise ValueError(f"a sequence id must be hashable (an int or a str, say), got the "
+                         f"{type(seq_id).__name__} {seq_id!r}") from None
+    return seq_id
+
+
 # ---------------------------------------------------------------------------------------------------
 # Reading a sequence's keys back
+
+
+def _check_gather(pool: torch.Tensor, table, seq_len, what: str = "seq_len") -> None:
+    """``pool`` is ``[num_blocks, heads, block_size, head_dim]``; ``table`` lists block ids of that
+    pool; ``seq_len`` is an int that fits in the table."""
+    if not isinstance(pool, torch.Tensor) or pool.dim() != 4:
+        raise ValueError("pool must be one layer's keys or values, a tensor [num_blocks, heads, block_size, "
+                         f"head_dim], got {getattr(pool, 'shape', type(pool).__name__)}; index the layer first")
+    _count(seq_len, what)
+    bad = [b for b in table if not _is_block_id(b, pool.shape[0])]
+    if bad:
+        raise ValueError(f"block table {list(table)} holds {bad[0]!r}, not a block id of this pool "
+                         f"(ints in [0, {pool.shape[0]})); pass the allocator's block_table(seq_id)")
+    if seq_len > len(table) * pool.shape[2]:
+        raise ValueError(f"{what}={seq_len} needs {blocks_for(seq_len, pool.shape[2])} blocks of "
+                         f"{pool.shape[2]} but the table has {len(table)}: ask for at most "
+                         f"{len(table) * pool.shape[2]} positions, or reserve more blocks first")
 
 
 def paged_gather(pool: torch.Tensor, block_table, seq_len: int) -> torch.Tensor:
@@ -134,10 +202,8 @@ def paged_gather(pool: torch.Tensor, block_table, seq_len: int) -> torch.Tensor:
     ``pool`` is one layer's keys (or values), ``[num_blocks, heads, block_size, head_dim]``. The
     blocks are read in the order of the table (the order of the tokens), not the order of their ids.
     """
+    _check_gather(pool, block_table, seq_len)
     bs = pool.shape[2]
-    if seq_len > len(block_table) * bs:
-        raise ValueError(f"seq_len={seq_len} needs {blocks_for(seq_len, bs)} blocks of {bs} but the table "
-                         f"has {len(block_table)}")
     if seq_len == 0:
         return pool.new_zeros(pool.shape[1], 0, pool.shape[3])
     blocks = [pool[b] for b in block_table[:blocks_for(seq_len, bs)]]   # each [heads, block_size, head_dim]
@@ -151,6 +217,11 @@ def batched_gather(pool: torch.Tensor, tables: list[list[int]], lengths: list[in
     slots, ``valid`` is ``[batch, S]`` (True on real positions). Short tables are padded with block 0,
     whose contents ``valid`` hides.
     """
+    if not tables or len(lengths) != len(tables):
+        raise ValueError(f"batched_gather needs one length per block table (and at least one table): got "
+                         f"{len(tables)} tables but {len(lengths)} lengths; pass lengths=[n for each table]")
+    for i, (t, n) in enumerate(zip(tables, lengths)):
+        _check_gather(pool, t, n, f"lengths[{i}]")
     bs, width = pool.shape[2], max(len(t) for t in tables)
     idx = torch.zeros(len(tables), width, dtype=torch.long)
     for i, t in enumerate(tables):
@@ -166,8 +237,15 @@ def batched_gather(pool: torch.Tensor, tables: list[list[int]], lengths: list[in
 # The pool and its allocator
 
 
-class PagedKVCache:
+class PagedKVCache(Cache):
     """One pool of blocks per layer for keys and one for values, plus the allocator that hands them out.
+
+    In the one interface it serves a *ragged* step: ``B = 1`` row of ``N`` tokens from several
+    sequences (decode tokens and prefill chunks side by side). :meth:`begin_step` says which
+    sequences the step holds and how many new tokens each brings (in that order); the model's forward
+    then writes each token at its own sequence's next slot and gets back the step's sequences'
+    gathered keys, with a per-query ``key_pos`` ``[1, N, S]`` that is ``EMPTY`` wherever the key
+    belongs to another sequence than the query's. (:func:`ragged_forward` does both.)
 
     ``allocator_cls`` and ``gather`` are pluggable (the lab grades a learner's through them):
     ``gather=None`` reads a batch with :func:`batched_gather`; otherwise ``gather(pool, table, n)`` is
@@ -179,11 +257,14 @@ class PagedKVCache:
         shape = (n_layer, num_blocks, n_head, block_size, head_dim)
         self.keys = torch.zeros(shape, dtype=dtype, device=device)
         self.values = torch.zeros(shape, dtype=dtype, device=device)
-        self.n_layer, self.num_blocks, self.block_size = n_layer, num_blocks, block_size
+        self.n_layer, self.n_head, self.head_dim = n_layer, n_head, head_dim
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.dtype, self.device = dtype, self.keys.device
         self.allocator = allocator_cls(num_blocks, block_size)
         self.gather = gather
-        self.lengths: dict[object, int] = {}   # tokens written per sequence (kept here, not asked of the allocator)
+        self.lengths: dict[object, int] = {}   # tokens written per sequence: the one length the model side reads
         self.copies = 0                        # copy-on-write copies made so far
+        self._plan = None                      # the current step (begin_step)
 
     @classmethod
     def for_model(cls, model, num_blocks: int, block_size: int, **kwargs) -> "PagedKVCache":
@@ -237,6 +318,62 @@ class PagedKVCache:
         valid = torch.arange(S, device=k.device)[None] < torch.tensor(lengths, device=k.device)[:, None]
         return k, v, valid
 
+    # -- the one interface: a ragged step -------------------------------------------------------
+    def begin_step(self, seq_ids: list, counts: list[int]) -> torch.Tensor:
+        """The next forward pass appends ``counts[i]`` tokens to sequence ``seq_ids[i]`` (new ones are
+        allocated), in this order; returns their positions ``[1, N]`` (each sequence's length so far
+        onwards), which is also what :meth:`next_positions` answers for that pass."""
+        if not seq_ids or len(seq_ids) != len(counts) or min(counts) < 1 or len(set(seq_ids)) != len(seq_ids):
+            raise ValueError("begin_step needs distinct sequences, each with at least one new token")
+        past = [self.lengths.get(s, 0) for s in seq_ids]
+        slots = [self.reserve(s, n) for s, n in zip(seq_ids, counts)]   # may copy a shared block first
+        dev = self.keys.device
+        flat = torch.tensor([xy for row in slots for xy in row], dtype=torch.long).T.to(dev)
+        owner = torch.tensor([i for i, n in enumerate(counts) for _ in range(n)], device=dev)
+        positions = torch.tensor([p + t for p, n in zip(past, counts) for t in range(n)], device=dev)[None]
+        self._plan = dict(blocks=flat[0], offsets=flat[1], owner=owner, positions=positions,
+                          tables=[self.allocator.block_table(s) for s in seq_ids],
+                          lengths=[p + n for p, n in zip(past, counts)], key_pos=None)
+        return positions
+
+    def next_positions(self, batch, T, device=None):
+        plan = self._plan
+        if plan is None or batch != 1 or T != plan["positions"].shape[1]:
+            raise ValueError("a paged cache serves ragged steps: call begin_step(seq_ids, counts) first, then "
+                             "the model on [1, sum(counts)] tokens")
+        return plan["positions"]
+
+    def store(self, layer, k, v, positions):
+        """Write the step's tokens (``k``, ``v``: ``[1, H, N, D]``) at their sequences' slots; return the
+        step's sequences' keys side by side, ``[1, H, n_seq * S, D]``, and the per-query ``key_pos``."""
+        self.next_positions(k.shape[0], k.shape[2])               # refuses a pass begin_step did not plan
+        plan = self._plan
+        self.write(layer, plan["blocks"], plan["offsets"], k[0].transpose(0, 1), v[0].transpose(0, 1))
+        keys, values, valid = self.read(layer, plan["tables"], plan["lengths"])   # [n_seq, H, S, D]
+        if plan["key_pos"] is None:
+            plan["key_pos"] = ragged_key_pos(valid, plan["owner"])
+        n_seq, H, S, D = keys.shape
+        join = lambda x: x.transpose(0, 1).reshape(1, H, n_seq * S, D)   # noqa: E731  sequences side by side
+        return join(keys), join(values), plan["key_pos"]
+
+    def check_room(self, T: int, limit: int) -> None:
+        """Nothing to check here: ``begin_step``'s caller checks each sequence (:func:`ragged_forward` does)."""
+
+    def reset(self):
+        for s in list(self.lengths):
+            self.free(s)
+        self._plan = None
+
+    def rewind(self, seq_id, length: int) -> None:
+        """Forget the tokens of ``seq_id`` from position ``length`` on; its blocks after them go back."""
+        if seq_id not in self.lengths or not isinstance(length, int) or not 0 <= length <= self.lengths[seq_id]:
+            raise ValueError(f"rewind needs a sequence held and a length between 0 and its "
+                             f"{self.lengths.get(seq_id)} tokens, got {seq_id!r}, {length!r}")
+        if not hasattr(self.allocator, "truncate"):
+            raise ValueError("this allocator has no truncate(seq_id, num_tokens): a paged rewind needs one")
+        self.allocator.truncate(seq_id, length)
+        self.lengths[seq_id] = length
+
     @property
     def num_free(self) -> int:
         n = self.allocator.num_free    # a property in the contract; a method is accepted too
@@ -256,11 +393,41 @@ class PagedKVCache:
         return self.keys.numel() * self.keys.element_size() * 2
 
 
+def ragged_key_pos(valid: torch.Tensor, owner: torch.Tensor) -> torch.Tensor:
+    """``[1, N, n_seq * S]``: the position of every gathered key slot as seen by each of the ``N``
+    queries. Slot ``j`` of a sequence holds its position ``j`` (a paged sequence is stored in position
+    order); a slot past the sequence's length, or of another sequence than the query's, is ``EMPTY``."""
+    n_seq, S = valid.shape
+    slot = torch.arange(S, device=valid.device).expand(n_seq, S)
+    pos = torch.where(valid, slot, EMPTY).reshape(1, 1, n_seq * S)
+    key_seq = torch.arange(n_seq, device=valid.device).repeat_interleave(S)
+    return torch.where(key_seq[None, None] == owner[None, :, None], pos, EMPTY)
+
+
+@torch.no_grad()
+def ragged_forward(model, cache: PagedKVCache, seq_ids: list, new_tokens: list[list[int]]) -> torch.Tensor:
+    """The model's one forward over a ragged step: sequence ``seq_ids[i]`` appends ``new_tokens[i]`` (a
+    whole prompt, a prompt's suffix after a shared prefix, or one decode token). All tokens go in one
+    row ``[1, N]``; returns the logits of each sequence's last new token, ``[len(seq_ids), vocab]``."""
+    lens = [len(t) for t in new_tokens]
+    limit = model.config.n_positions
+    if not lens or min(lens) < 1:
+        raise ValueError("every sequence of a step needs at least one new token")
+    if max(cache.lengths.get(s, 0) + n for s, n in zip(seq_ids, lens)) > limit:
+        raise ValueError(f"a sequence would exceed GPT-2's context of {limit} positions")
+    dev = model.wte.weight.device
+    cache.begin_step(seq_ids, lens)
+    ids = torch.tensor([t for toks in new_tokens for t in toks], device=dev)[None]
+    last = torch.tensor(lens, device=dev).cumsum(0) - 1
+    return model(ids, cache, select=last)[0]
+
+
 class PagedCache(Cache):
     """Chapter 3's ``Cache`` interface on paged memory: ``kvlab.gpt2.generate`` runs on it unchanged.
 
-    Built like a :class:`kvlab.cache.PreallocatedCache`; row ``i`` of the batch is sequence ``i``.
-    The pool has room for ``batch_size * max_len`` tokens but a sequence takes blocks only as it grows.
+    Built like a :class:`kvlab.cache.PreallocatedCache`; row ``i`` of the batch is sequence ``i``, and
+    a token's slot in its sequence is its position. The pool has room for ``batch_size * max_len``
+    tokens but a sequence takes blocks only as it grows.
     """
 
     def __init__(self, n_layer, batch_size, n_head, head_dim, max_len, dtype=torch.float32, device="cpu",
@@ -268,9 +435,10 @@ class PagedCache(Cache):
         num_blocks = batch_size * blocks_for(max_len, block_size)
         self.paged = PagedKVCache(n_layer, n_head, head_dim, num_blocks, block_size, dtype, device)
         self.n_layer, self.batch_size, self._len = n_layer, batch_size, 0
+        self.n_head, self.head_dim, self.dtype, self.device = n_head, head_dim, dtype, self.paged.device
         self._slots = None
 
-    def update(self, layer, k, v):
+    def store(self, layer, k, v, positions):
         B, H, T, D = k.shape
         if B != self.batch_size:
             raise ValueError(f"cache built for batch {self.batch_size}, got keys {list(k.shape)}")
@@ -283,18 +451,18 @@ class PagedCache(Cache):
         n = self._len + T
         tables = [self.paged.allocator.block_table(i) for i in range(B)]
         keys, values, _ = self.paged.read(layer, tables, [n] * B)
-        if layer == self.n_layer - 1:
-            self._len = n
-        return keys[:, :, :n], values[:, :, :n]
+        self._advance(layer, T)
+        return keys[:, :, :n], values[:, :, :n], torch.arange(n, device=k.device)[None, None]
 
     def reset(self):
-        for i in list(self.paged.lengths):
-            self.paged.free(i)
+        self.paged.reset()
         self._len = 0
 
-    @property
-    def seq_len(self):
-        return self._len
+    def rewind(self, length: int) -> None:
+        self._check_rewind(length)
+        for i in list(self.paged.lengths):
+            self.paged.rewind(i, length)
+        self._len = length
 
     @property
     def nbytes(self):

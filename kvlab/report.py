@@ -44,7 +44,8 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from . import floorbench, gpt2, models, timing
+from . import floorbench, gpt2, harness, models, timing
+from .cli import at_least, check_writable, positive_seconds
 from .batching import generate_batch
 from .generate import cached_generate, hf_greedy, naive_generate
 
@@ -203,13 +204,6 @@ def per_position(run: Run) -> dict:
     return dict(rows=rows)
 
 
-def _first_difference(a: torch.Tensor, b: torch.Tensor):
-    if a.shape != b.shape:
-        return 0
-    diff = (a.cpu() != b.cpu()).nonzero()
-    return None if diff.numel() == 0 else int(diff[0, -1])
-
-
 def ours_vs_transformers(run: Run) -> dict:
     """Chapter 3: transformers' generate, our DynamicCache loop and the hand-built GPT-2, same tokens?"""
     rows = []
@@ -221,8 +215,7 @@ def ours_vs_transformers(run: Run) -> dict:
                "kvlab cached_generate": lambda: cached_generate(hf, prompt, n_new),
                "kvlab hand-built GPT-2": lambda: gpt2.generate(ours, prompt, n_new)}
         # A fast wrong generator is not a result: record whether each gives transformers' tokens.
-        reference = fns["transformers generate"]()
-        first_diff = {k: _first_difference(fn(), reference) for k, fn in fns.items()}
+        first_diff = harness.token_check(fns, "transformers generate")
         t = run.compare(fns, warmup=0)      # the correctness pass above was the warm-up
         base = t["transformers generate"]
         for k, tk in t.items():
@@ -267,13 +260,7 @@ def _our_step(ours, ids: torch.Tensor, seq_len: int):
                             dtype=cache.keys.dtype, device=cache.keys.device)
         for layer in range(ours.config.n_layer):
             cache.update(layer, zeros, zeros)
-    tok = ids[:, :1]
-
-    def step():
-        out = ours(tok, cache, last_only=True).argmax(-1)
-        cache.truncate(seq_len)   # back to seq_len positions: every call times the same step
-        return out
-    return step
+    return harness.rewinding_step(ours, cache, ids[:, :1], seq_len)   # every call times the same step
 
 
 @torch.no_grad()
@@ -323,8 +310,7 @@ def compiled(run: Run) -> dict:
         fns = {"eager, preallocated cache": lambda: gpt2.generate(ours, prompt, n_new),
                "static cache, eager": lambda: static.generate(prompt, n_new),
                "static cache, compiled": lambda: comp.generate(prompt, n_new)}
-        reference = fns["eager, preallocated cache"]()
-        first_diff = {k: _first_difference(fn(), reference) for k, fn in fns.items()}
+        first_diff = harness.token_check(fns, "eager, preallocated cache")
         t = run.compare(fns, warmup=0)                    # the correctness pass was the warm-up
         base = t["eager, preallocated cache"]
         for k, tk in t.items():
@@ -500,6 +486,29 @@ def write_json(obj: dict, path) -> Path:
     return path
 
 
+def _check_args(ap, args):
+    """Everything the arguments can be checked for before the first measurement (argparse's exit
+    status 2 and one line): where the files go, the device, the sections, the model names."""
+    args.out = str(Path(args.out).expanduser())
+    args.figure = args.figure and str(Path(args.figure).expanduser())
+    for flag, path, suffix in (("--out", args.out, ".json"), ("--figure", args.figure, ".png")):
+        problem = path is not None and check_writable(path, suffix)
+        if problem:
+            ap.error(f"{flag}: {problem}")
+    try:
+        device = models.check_device(args.device) if args.device is not None else models.pick_device()
+    except ValueError as e:
+        ap.error(f"--device: {e}")
+    sections = [s.strip() for s in args.sections.split(",") if s.strip()]
+    unknown = [s for s in sections if s not in SECTIONS]
+    if not sections or unknown:
+        ap.error(f"--sections: choose one or more of {', '.join(SECTIONS)}, got {args.sections!r}")
+    names = [m.strip() for m in args.models.split(",")] if args.models else None
+    if names is not None and not all(names):
+        ap.error(f"--models: an empty name in {args.models!r}; separate names with single commas")
+    return device, sections, names
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True, help="the JSON file to write (atomically)")
@@ -507,21 +516,18 @@ def main(argv=None) -> int:
                                                    "cuda when present, else cpu)")
     ap.add_argument("--quick", action="store_true", default=None,
                     help="the small grids of the test suite (default: on when KVLAB_QUICK=1)")
-    ap.add_argument("--budget", type=float, default=None,
+    ap.add_argument("--budget", type=positive_seconds, default=None,
                     help="seconds for the whole run (default: 40 quick, 240 on a GPU, 600 on a CPU)")
     ap.add_argument("--sections", default=",".join(SECTIONS),
                     help="comma-separated subset of " + ", ".join(SECTIONS))
     ap.add_argument("--models", default=None, help="comma-separated model names (default: the plan's)")
-    ap.add_argument("--threads", type=int, default=None,
+    ap.add_argument("--threads", type=at_least(1), default=None,
                     help="CPU threads (default: KVLAB_THREADS or all cores, at most 8)")
     ap.add_argument("--figure", default=None, help="also draw the result's panels into this PNG")
     args = ap.parse_args(argv)
-    if not args.out.endswith(".json"):
-        ap.error(f"--out must name a .json file, got {args.out!r}")
-    sections = [s.strip() for s in args.sections.split(",") if s.strip()]
-    names = [m.strip() for m in args.models.split(",")] if args.models else None
+    device, sections, names = _check_args(ap, args)
     try:
-        result = run(args.device, args.quick, args.budget, sections, names, args.threads,
+        result = run(device, args.quick, args.budget, sections, names, args.threads,
                      checkpoint=lambda partial: write_json(partial, args.out))
     except (ValueError, models.ModelNotAvailable) as e:
         ap.error(str(e))

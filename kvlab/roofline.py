@@ -32,7 +32,8 @@ import statistics
 import torch
 import torch.utils.benchmark as benchmark
 
-from .memory import _count, _field, as_dtype, bytes_per_element, kv_cache_bytes, kv_dims
+from .memory import as_dtype, bytes_per_element, check_count, check_int, config_field, kv_cache_bytes, kv_dims
+from .models import check_device
 
 # ---------------------------------------------------------------------------------------------------
 # What the model is made of
@@ -110,16 +111,16 @@ def cache_read_bytes(model, batch_size: int, seq_len: int, dtype=None) -> int:
 
 def decode_step_bytes(model, batch_size: int, seq_len: int) -> int:
     """Bytes one decode step reads: every weight once + the cache of ``seq_len`` positions per row."""
-    batch_size, seq_len = _count(batch_size, "batch_size"), _count(seq_len, "seq_len")
+    batch_size, seq_len = check_count(batch_size, "batch_size"), check_count(seq_len, "seq_len")
     return weight_bytes(model) + cache_read_bytes(model, batch_size, seq_len)
 
 
 def decode_step_flops(model, batch_size: int, seq_len: int) -> int:
     """FLOPs of one decode step: ``2 x B x matmul weights + 4 x B x layers x heads x head_dim x S``."""
-    batch_size, seq_len = _count(batch_size, "batch_size"), _count(seq_len, "seq_len")
+    batch_size, seq_len = check_count(batch_size, "batch_size"), check_count(seq_len, "seq_len")
     cfg = _config(model)
     n_layer, _, head_dim = kv_dims(cfg)
-    n_head = _field(cfg, "num_attention_heads", "n_head")      # every QUERY head scores the keys
+    n_head = config_field(cfg, "num_attention_heads", "n_head")      # every QUERY head scores the keys
     return 2 * batch_size * matmul_weights(model) + 4 * batch_size * n_layer * n_head * head_dim * seq_len
 
 
@@ -127,9 +128,16 @@ def _rate(value, what: str) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) and not hasattr(value, "__float__"):
         raise ValueError(f"{what} must be a number (per second), got {value!r}")
     value = float(value)
-    if not value > 0:
-        raise ValueError(f"{what} must be > 0, got {value}")
+    if not 0 < value < float("inf"):
+        raise ValueError(f"{what} must be a finite number > 0, got {value}")
     return value
+
+
+def _whole(value, what: str, minimum: int = 0) -> int:
+    """``value`` as an int >= ``minimum`` (not a bool, not a float), or a ValueError naming ``what``."""
+    if isinstance(value, bool):
+        raise ValueError(f"{what} must be an int >= {minimum}, got {value!r}")
+    return check_int(value, what, minimum)
 
 
 def step_time_floor(model, batch_size: int, seq_len: int, bandwidth: float, flops: float) -> float:
@@ -173,6 +181,8 @@ def generation_floor(model, batch_size: int, prompt_len: int, new_tokens: int, b
     """Floor of a whole greedy generation: one step per new token, the ``i``-th at ``prompt_len + i``
     cached positions (the prefill is priced as one step: it too reads every weight once)."""
     bandwidth, flops = _rate(bandwidth, "bandwidth (bytes/s)"), _rate(flops, "flops (FLOP/s)")
+    batch_size, prompt_len = _whole(batch_size, "batch_size", 1), _whole(prompt_len, "prompt_len")
+    new_tokens = _whole(new_tokens, "new_tokens")
     # both counts are linear in seq_len: take the intercept and slope once, not a model walk per step
     b0, f0 = decode_step_bytes(model, batch_size, 0), decode_step_flops(model, batch_size, 0)
     db = decode_step_bytes(model, batch_size, 1) - b0
@@ -198,7 +208,7 @@ def ridge_point(bandwidth: float, flops: float) -> float:
 def critical_batch(model, seq_len: int, bandwidth: float, flops: float, limit: int = 1 << 20) -> int | None:
     """The smallest batch whose step is compute-bound (FLOPs time >= bytes time), ``None`` if none up
     to ``limit`` (the cache grows with the batch as fast as the FLOPs do at long contexts)."""
-    lo, hi = 1, limit
+    lo, hi = 1, _whole(limit, "limit (the largest batch to try)", 1)
     bound = lambda b: step_terms(model, b, seq_len, bandwidth, flops)["bound"] == "compute"
     if not bound(hi):
         return None
@@ -222,6 +232,9 @@ def meta_model(name_or_config, dtype=torch.float32):
     """A transformers model with the right shapes and no storage (``meta`` device): a GPT-2 size
     (``"gpt2"`` ... ``"gpt2-xl"``, optionally ``"shape:"``-prefixed), an open model of chapter 4's
     table by name, a dict of config fields with ``model_type``, or a transformers config."""
+    if not isinstance(name_or_config, (str, dict)) and not hasattr(name_or_config, "to_dict"):
+        raise ValueError(f"meta_model takes a model name, a dict of config fields or a transformers "
+                         f"config, got {type(name_or_config).__name__}")
     if isinstance(name_or_config, str):
         return _meta_by_name(name_or_config, as_dtype(dtype))
     return _meta_model(name_or_config, dtype)
@@ -275,6 +288,7 @@ def _threads(device, threads: int | None) -> int:
 
 def median_seconds(fn, device, repeats: int = 7, warmup: int = 2, threads: int | None = None) -> float:
     """Median seconds per call of ``fn``: CUDA events on a GPU, torch.utils.benchmark on a CPU."""
+    repeats, warmup = _whole(repeats, "repeats", 1), _whole(warmup, "warmup")
     for _ in range(warmup):
         fn()
     if torch.device(device).type == "cuda":
@@ -306,7 +320,9 @@ def measure_bandwidth(device="cpu", size_mib: int | None = None, threads: int | 
     On a CPU the thread count is fixed (``threads``, else torch's current one) and printed: the
     bandwidth one thread can pull is often far below what all cores can.
     """
-    device = torch.device(device)
+    device = check_device(device)
+    size_mib = None if size_mib is None else _whole(size_mib, "size_mib", 1)
+    threads, repeats = None if threads is None else _whole(threads, "threads", 1), _whole(repeats, "repeats", 1)
     threads = _threads(device, threads)
     n = (size_mib or _default_copy_mib(device)) * 2**20 // 4
     src = torch.ones(n, dtype=torch.float32, device=device)
@@ -324,7 +340,9 @@ def measure_matmul_flops(device="cpu", dtype=torch.float32, n: int | None = None
     """FLOP/s an ``n x n`` by ``n x n`` matrix product achieves (``2 n^3`` FLOPs), median of ``repeats``."""
     from .timing import QUICK
 
-    device, dtype = torch.device(device), as_dtype(dtype)
+    device, dtype = check_device(device), as_dtype(dtype)
+    n = None if n is None else _whole(n, "n (the matrix size)", 1)
+    threads, repeats = None if threads is None else _whole(threads, "threads", 1), _whole(repeats, "repeats", 1)
     threads = _threads(device, threads)
     n = n or (8192 if device.type == "cuda" else 512 if QUICK else 1024)
     g = torch.Generator().manual_seed(0)
@@ -340,6 +358,7 @@ def measure_matmul_flops(device="cpu", dtype=torch.float32, n: int | None = None
 
 def machine(device="cpu", dtype=torch.float32, threads: int | None = None, verbose: bool = True) -> dict:
     """Both numbers of the machine at once, with its ridge point (FLOPs per byte)."""
+    device, dtype = check_device(device), as_dtype(dtype)     # before the first measurement
     bw = measure_bandwidth(device, threads=threads, verbose=verbose)
     fl = measure_matmul_flops(device, dtype, threads=threads, verbose=verbose)
     return {"bandwidth": bw, "flops": fl, "ridge": fl / bw, "threads": torch.get_num_threads()}

@@ -5,9 +5,10 @@ Requests arrive with their own prompt and ``max_new_tokens`` (and an optional en
 
 1. admits queued requests while the pool can hold them (``continuous``: at every step; ``static``:
    only when the whole previous batch has finished, the baseline);
-2. runs one forward pass over every row: the requests already running decode one token each, the
-   ones admitted now prefill their prompt (their first token); rows of different lengths side by
-   side, each reading its own blocks through its block table and masked to them;
+2. runs the model's one forward pass over a ragged step (:func:`kvlab.paged.ragged_forward`): the
+   requests already running decode one token each, the ones admitted now prefill their prompt (their
+   first token), all in one row of tokens; each token reads its own sequence's blocks through its
+   block table, and the paged cache's key positions hide every other sequence's;
 3. retires the finished rows and frees their blocks.
 
 Every request's tokens equal what the hand-built GPT-2 generates for that prompt alone
@@ -24,9 +25,8 @@ from collections import deque
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 
-from .paged import BlockAllocator, PagedKVCache, blocks_for
+from .paged import BlockAllocator, PagedKVCache, blocks_for, ragged_forward
 
 
 @dataclass(eq=False)
@@ -50,54 +50,6 @@ class Request:
     @property
     def latency(self) -> float:
         return self.finished - self.submitted
-
-
-@torch.no_grad()
-def paged_forward(model, cache: PagedKVCache, seq_ids: list, new_tokens: list[list[int]]) -> torch.Tensor:
-    """One forward pass of the hand-built GPT-2 over a ragged batch; logits of each row's last token.
-
-    Row ``i`` appends ``new_tokens[i]`` (a whole prompt, a prompt's suffix after a shared prefix, or
-    one decode token) to sequence ``seq_ids[i]``. Rows are padded to the longest; each real token gets
-    its own position (its sequence's length so far + its index) and a slot from the allocator, and
-    attends to its own sequence's keys up to itself: the mask hides the padding of the gathered
-    blocks and the future. The layers are the model's own modules, called one by one.
-    """
-    B, lens = len(seq_ids), [len(t) for t in new_tokens]
-    if B == 0 or min(lens) < 1:
-        raise ValueError("every row needs at least one new token")
-    past = [cache.lengths.get(s, 0) for s in seq_ids]
-    limit = model.config.n_positions
-    if max(p + n for p, n in zip(past, lens)) > limit:
-        raise ValueError(f"a sequence would exceed GPT-2's context of {limit} positions")
-    slots = [cache.reserve(s, n) for s, n in zip(seq_ids, lens)]   # may copy a shared block first
-    dev, T = model.wte.weight.device, max(lens)
-    ids = torch.zeros(B, T, dtype=torch.long)
-    pos = torch.zeros(B, T, dtype=torch.long)   # pads: position 0, never read
-    for i, (toks, p) in enumerate(zip(new_tokens, past)):
-        ids[i, :len(toks)] = torch.tensor(toks)
-        pos[i, :len(toks)] = torch.arange(p, p + len(toks))
-    rows = torch.tensor([i for i, n in enumerate(lens) for _ in range(n)], device=dev)
-    cols = torch.tensor([t for n in lens for t in range(n)], device=dev)
-    blocks, offsets = (torch.tensor([s[j] for row in slots for s in row], device=dev) for j in (0, 1))
-    ids, pos = ids.to(dev), pos.to(dev)
-    tables = [cache.allocator.block_table(s) for s in seq_ids]   # fixed for the whole pass
-    totals = [p + n for p, n in zip(past, lens)]
-    x = model.wte(ids) + model.wpe(pos)
-    C, H = x.shape[-1], model.config.n_head
-    mask = None
-    for layer, block in enumerate(model.h):
-        q, k, v = block.attn.c_attn(block.ln_1(x)).split(C, dim=2)
-        q, k, v = (t.view(B, T, H, C // H).transpose(1, 2) for t in (q, k, v))   # [B, H, T, D]
-        cache.write(layer, blocks, offsets, k[rows, :, cols], v[rows, :, cols])   # real tokens only
-        keys, values, valid = cache.read(layer, tables, totals)                   # [B, H, S, D]
-        if mask is None:   # key j is visible to the token at position p when j <= p, and j is real
-            kpos = torch.arange(keys.shape[2], device=dev)
-            mask = (kpos[None, None, :] <= pos[:, :, None]) & valid[:, None, :]   # [B, T, S]
-        y = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask[:, None])
-        x = x + block.attn.c_proj(y.transpose(1, 2).reshape(B, T, C))
-        x = x + block.mlp(block.ln_2(x))
-    last = x[torch.arange(B, device=dev), torch.tensor(lens, device=dev) - 1]
-    return model.ln_f(last) @ model.wte.weight.T                                 # [B, vocab]
 
 
 class Engine:
@@ -135,7 +87,7 @@ class Engine:
         sid = f"prefix{len(self.prefixes)}"
         self.committed += blocks_for(len(tokens), self.block_size)
         self.pinned += blocks_for(len(tokens), self.block_size)
-        paged_forward(self.model, self.cache, [sid], [list(tokens)])
+        ragged_forward(self.model, self.cache, [sid], [list(tokens)])
         self.prefixes[tokens] = sid
 
     def _prefix_of(self, prompt) -> tuple | None:
@@ -211,7 +163,7 @@ class Engine:
         todo = [r.prompt[len(r.prefix):] if r.prefix else r.prompt for r in admitted]
         ctx = sum(self.cache.lengths[r.rid] for r in decoding)
         rows = decoding + admitted
-        logits = paged_forward(self.model, self.cache, [r.rid for r in rows],
+        logits = ragged_forward(self.model, self.cache, [r.rid for r in rows],
                                [[r.tokens[-1]] for r in decoding] + todo)
         self._emit(rows, logits)
         self.running += admitted
@@ -342,61 +294,3 @@ def run_floor(eng: Engine, bandwidth: float, flops: float) -> float:
         tokens = t["decode_rows"] + t["prefill_tokens"]
         total += step_time_floor(eng.model, tokens, t["context"] // tokens, bandwidth, flops)
     return total
-
-
-# ---------------------------------------------------------------------------------------------------
-# Plumbing for chapter 9: interleaved runs, step timings, tables and plots
-
-
-def compare_policies(model, workload, repeats: int = 1, policies=("continuous", "static"), **kwargs):
-    """Serve ``workload`` under each policy, ``repeats`` times, interleaved (A, B, A, B, ...)."""
-    from tqdm.auto import tqdm
-
-    runs = {p: [] for p in policies}
-    for _ in tqdm(range(repeats), desc="rounds", leave=False):
-        for p in policies:
-            runs[p].append(serve(model, workload, policy=p, **kwargs))
-    return runs
-
-
-def median_run(engines: list[Engine]) -> Engine:
-    """The run whose total time is the median one (its trace is the one we plot)."""
-    return sorted(engines, key=lambda e: e.trace[-1]["time"])[len(engines) // 2]
-
-
-def decode_step_timings(model, variants: dict, batch: int, context: int, repeats: int = 5):
-    """Median seconds of one batched decode step of ``batch`` rows holding ``context`` tokens each, per
-    variant ``name -> (block_size, gather)`` (``gather=None``: the batched gather), interleaved."""
-    from .timing import compare
-
-    g = torch.Generator().manual_seed(0)
-    vocab, fns = model.config.vocab_size, {}
-    for name, (bs, gather) in variants.items():
-        cache = PagedKVCache.for_model(model, batch * blocks_for(context + 4 * repeats + 8, bs), bs, gather=gather)
-        rows = list(range(batch))
-        paged_forward(model, cache, rows, torch.randint(1, vocab, (batch, context), generator=g).tolist())
-        token = [[7]] * batch
-        fns[name] = lambda cache=cache, rows=rows: paged_forward(model, cache, rows, token)
-    return compare(fns, warmup=1, repeats=repeats, progress=False)
-
-
-def print_table(rows: list[dict], columns: dict) -> None:
-    """Rows of dicts as an aligned text table; ``columns`` maps a key to ``(header, format)``."""
-    cells = [[fmt.format(r[k]) for k, (_, fmt) in columns.items()] for r in rows]
-    heads = [h for h, _ in columns.values()]
-    widths = [max(len(h), *(len(c[i]) for c in cells)) for i, h in enumerate(heads)]
-    print("  ".join(h.rjust(w) if i else h.ljust(w) for i, (h, w) in enumerate(zip(heads, widths))))
-    for c in cells:
-        print("  ".join(x.rjust(w) if i else x.ljust(w) for i, (x, w) in enumerate(zip(c, widths))))
-
-
-def plot_occupancy(runs: dict[str, Engine], ax) -> None:
-    """Rows in each step's forward pass over time, one line per policy (a step plot)."""
-    for name, eng in runs.items():
-        t = [0.0] + [s["time"] for s in eng.trace]
-        rows = [s["rows"] for s in eng.trace]
-        ax.stairs(rows, t, label=name, linewidth=1.5)
-    ax.axhline(next(iter(runs.values())).max_batch, color="0.6", linestyle=":", label="max_batch")
-    ax.set(xlabel="seconds since the first request", ylabel="rows in the step",
-           title="Batch occupancy over time")
-    ax.legend()

@@ -20,6 +20,7 @@ step means a new graph (or a guard that fails) every step. Production engines fi
 
 from __future__ import annotations
 
+import copy
 import math
 import os
 import shutil
@@ -31,19 +32,22 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from .cache import Cache
+from .cache import EMPTY, Cache
 from .generate import check_inputs
 
 
 class StaticCache(Cache):
-    """Chapter 3's cache interface, with fixed shapes and a position held in a tensor.
+    """Chapter 3's cache interface, with fixed shapes and a position held in a tensor (chapter 8).
 
-    Per layer, keys and values live in buffers ``[batch, heads, max_len, head_dim]`` allocated once.
-    ``update(layer, k, v, pos)`` writes the ``T`` new positions at ``pos .. pos+T-1`` with
-    ``index_copy_`` (the index is a tensor, so no Python number is ever read back from the device)
-    and returns the full buffers. ``position`` is a 0-d long tensor: where the next write starts,
-    advanced in place after the last layer. ``seq_len`` reads it back as an int, for code outside
-    the compiled step.
+    Per layer, keys and values live in buffers ``[batch, heads, max_len, head_dim]`` allocated once,
+    and one more buffer holds each slot's position (``EMPTY`` until written). ``position`` is a 0-d
+    long tensor, the ONLY count of the tokens held: where the next write starts, advanced in place
+    after the last layer. ``update`` writes the ``T`` new tokens at slots ``position .. position+T-1``
+    with ``index_copy_`` (the index is a tensor, so no Python number is ever read back from the
+    device) and returns the *whole* buffers, the same tensors at every step: the slots not written
+    yet hold ``EMPTY`` (or, after a rewind, positions later than any query's), so the one rule of
+    :func:`kvlab.cache.visible` hides them. ``seq_len`` reads ``position`` back as an int, for code
+    outside the compiled step.
     """
 
     def __init__(self, n_layer: int, batch_size: int, n_head: int, head_dim: int, max_len: int,
@@ -52,12 +56,24 @@ class StaticCache(Cache):
         shape = (batch_size, n_head, max_len, head_dim)
         self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layer)]
         self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layer)]
+        self.slot_pos = torch.full((batch_size, max_len), EMPTY, dtype=torch.long, device=device)
         self.position = torch.zeros((), dtype=torch.long, device=device)
-        mark_static(self.keys + self.values + [self.position])
+        self.dtype, self.device = dtype, self.position.device
+        mark_static(self.keys + self.values + [self.slot_pos, self.position])
 
-    def update(self, layer, k, v, pos=None):
-        if pos is None:
-            pos = self.position
+    def update(self, layer, k, v, positions=None):
+        """Write at slots ``position ..``; return the whole buffers and every slot's position. Also
+        answers lab 3's form (no positions) and lab 8's (``positions`` a 0-d tensor: the first new
+        token's slot and position; returns ``(keys, values)``)."""
+        if positions is not None and positions.dim() == 0:
+            slots = positions + torch.arange(k.shape[2], device=k.device)
+            return self._write(layer, k, v, positions, slots)[:2]
+        return super().update(layer, k, v, positions)
+
+    def store(self, layer, k, v, positions):
+        return self._write(layer, k, v, self.position, positions)
+
+    def _write(self, layer, k, v, start, positions):
         T = k.shape[2]
         if k.shape[:2] != (self.batch_size, self.n_head) or k.shape[3] != self.head_dim or v.shape != k.shape:
             raise ValueError(
@@ -65,21 +81,41 @@ class StaticCache(Cache):
                 f"head_dim={self.head_dim}] but got keys {list(k.shape)} and values {list(v.shape)}")
         if T > self.max_len:
             raise ValueError(f"{T} new tokens do not fit a cache of max_len={self.max_len}")
-        # Where the new tokens go, as a tensor: reading `pos` back as an int would break the graph.
-        # (A position past max_len cannot be checked here without that read: the decoder checks it.)
-        slots = pos + torch.arange(T, device=k.device)
+        # Where the new tokens go, as a tensor: reading the position back as an int would break the
+        # graph. (A write past max_len cannot be checked here without that read: the decoder checks it.)
+        slots = start + torch.arange(T, device=k.device)
         self.keys[layer].index_copy_(2, slots, k)
         self.values[layer].index_copy_(2, slots, v)
+        if layer == 0:
+            self.slot_pos.index_copy_(1, slots, positions.expand(self.batch_size, T))
         if layer == self.n_layer - 1:
-            self.position.copy_(pos + T)
-        return self.keys[layer], self.values[layer]
+            self.position.copy_(start + T)
+        return self.keys[layer], self.values[layer], self.slot_pos[:, None]
+
+    def next_positions(self, batch, T, device=None):
+        """``position .. position+T-1`` as a tensor (no read back: this runs inside the compiled step)."""
+        return (self.position + torch.arange(T, device=self.position.device)).expand(batch, T)
+
+    def check_room(self, T: int, limit: int) -> None:
+        """Nothing read back here (that would be a sync per step): :class:`StaticDecoder` checks the budget."""
+
+    def last_positions(self):
+        return self.slot_pos[:, :self.seq_len].amax(dim=1) if self.seq_len else None
 
     def reset(self):
-        # In place: a compiled step (and a CUDA graph) holds these very buffers. Zeroing is not
-        # needed for correctness (the mask hides stale slots) but makes "empty" mean empty.
+        # In place: a compiled step (and a CUDA graph) holds these very buffers. Zeroing the keys is
+        # not needed for correctness (the positions hide stale slots) but makes "empty" mean empty.
         for t in self.keys + self.values:
             t.zero_()
+        self.slot_pos.fill_(EMPTY)
         self.position.zero_()
+
+    def rewind(self, length: int) -> None:
+        """Forget every token from slot ``length`` on: the next write goes there. Slots after it keep
+        positions later than any new query's until they are rewritten, so nothing stale is seen."""
+        self._check_rewind(length)
+        self.slot_pos[:, length:] = EMPTY
+        self.position.fill_(length)
 
     @property
     def seq_len(self):
@@ -99,7 +135,7 @@ def mark_static(tensors) -> None:
 
 
 def static_attention(q, k, v, pos):
-    """Attention of ``T`` new queries over a static cache's full buffers.
+    """Attention of ``T`` new queries over a static cache's full buffers (lab 8's contract).
 
     ``q``: ``[B, H, T, D]``; ``k``, ``v``: ``[B, H, max_len, D]``; ``pos``: 0-d long tensor, the
     position of the first query. Query ``i`` sits at ``pos + i`` and may see key slots
@@ -120,60 +156,101 @@ def static_attention_explicit(q, k, v, pos):
     return torch.softmax(scores.masked_fill(hidden, float("-inf")), dim=-1) @ v
 
 
-def forward_static(model, input_ids, cache, pos, attention_fn: Callable = static_attention):
-    """The hand-built GPT-2's forward (``kvlab.gpt2.GPT2``) with a static cache (chapter 8): the ``T``
-    new tokens sit at positions ``pos .. pos+T-1`` (``pos`` a 0-d tensor). Returns the last position's
-    logits ``[B, vocab]``. The same blocks and weights as ``GPT2.forward``; only where the position
-    comes from and what the cache returns differ."""
-    B, T = input_ids.shape
-    cfg = model.config
-    C, H, D = cfg.n_embd, cfg.n_head, cfg.head_dim
-    x = model.wte(input_ids) + model.wpe(pos + torch.arange(T, device=input_ids.device))
-    for layer, block in enumerate(model.h):
-        q, k, v = block.attn.c_attn(block.ln_1(x)).split(C, dim=2)
-        q, k, v = (t.view(B, T, H, D).transpose(1, 2) for t in (q, k, v))
-        k, v = cache.update(layer, k, v, pos)            # the full buffers: [B, H, max_len, D]
-        y = attention_fn(q, k, v, pos)
-        x = x + block.attn.c_proj(y.transpose(1, 2).reshape(B, T, C))
-        x = x + block.mlp(block.ln_2(x))
-    return model.ln_f(x[:, -1]) @ model.wte.weight.T
+# ---------------------------------------------------------------------------------------------------
+# Lab 8's contract in the one forward
+
+
+class Lab8Cache(Cache):
+    """A learner's lab-8 cache, ``update(layer, k, v, pos) -> (keys, values)`` (the full buffers, written
+    at slots ``pos .. pos+T-1``, ``pos`` a 0-d tensor), in the one interface. The adapter owns the one
+    position counter (a 0-d tensor, like :class:`StaticCache`); slot ``j`` holds position ``j``."""
+
+    def __init__(self, inner, n_layer: int, max_len: int, device):
+        self.inner, self.n_layer, self.max_len = inner, n_layer, max_len
+        self.position = torch.zeros((), dtype=torch.long, device=device)
+        self.slot_pos = torch.arange(max_len, device=device)[None, None]   # [1, 1, max_len]
+        mark_static([self.position, self.slot_pos])
+
+    def store(self, layer, k, v, positions):
+        keys, values = self.inner.update(layer, k, v, self.position)
+        if layer == self.n_layer - 1:
+            self.position.add_(k.shape[2])
+        return keys, values, self.slot_pos
+
+    next_positions = StaticCache.next_positions
+    check_room = StaticCache.check_room
+
+    def reset(self):
+        self.inner.reset()
+        self.position.zero_()
+
+    def rewind(self, length):
+        self._check_rewind(length)
+        self.position.fill_(length)
+
+    @property
+    def seq_len(self):
+        return int(self.position)
+
+    @property
+    def nbytes(self):
+        return sum(t.numel() * t.element_size() for t in _tensors_of(self.inner))
+
+
+class Lab8Attention:
+    """A learner's ``static_attention(q, k, v, pos)`` in the one forward. With :class:`Lab8Cache`'s
+    positions (slot ``j`` at position ``j``), the first query's position is the number of slots it may
+    see, minus one: read from the mask as a tensor, so nothing leaves the graph."""
+
+    takes_mask = True
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def __call__(self, q, k, v, mask):
+        return self.fn(q, k, v, mask[0, 0, 0].sum() - 1)
 
 
 class StaticDecoder:
     """Greedy generation for the hand-built GPT-2 with a static cache and one (compiled) decode step.
 
     The prompt (prefill) runs eagerly: its length varies between prompts, and compiling it would
-    mean a graph per prompt length. Every decode step has the same shapes, ``ids [B, 1]`` and a 0-d
-    position tensor, so :meth:`compile` makes one graph that serves every step and every prompt.
-    ``cache_cls`` and ``attention_fn`` are pluggable (lab 8 runs a learner's here): the cache only
-    needs ``cache_cls(n_layer, batch_size, n_head, head_dim, max_len, dtype, device)``,
-    ``update(layer, k, v, pos)`` and ``reset()``.
+    mean a graph per prompt length. Every decode step is ``model(ids [B, 1], cache)``, the model's one
+    forward, with the same shapes, and the position comes from the cache's 0-d tensor: :meth:`compile`
+    makes one graph that serves every step and every prompt. ``cache_cls`` and ``attention_fn`` take
+    lab 8's contracts (a learner's pieces): ``cache_cls(n_layer, batch_size, n_head, head_dim, max_len,
+    dtype, device)`` with ``update(layer, k, v, pos) -> (keys, values)`` and ``reset()``;
+    ``attention_fn(q, k, v, pos)``. They run through :class:`Lab8Cache` and :class:`Lab8Attention`.
     """
 
-    def __init__(self, model, batch_size: int = 1, max_len: int | None = None, cache_cls=StaticCache,
-                 attention_fn: Callable = static_attention):
+    def __init__(self, model, batch_size: int = 1, max_len: int | None = None, cache_cls=None,
+                 attention_fn: Callable | None = None):
         cfg, p = model.config, model.wte.weight
-        self.model, self.attention_fn = model, attention_fn
         self.batch_size = batch_size
         self.max_len = max_len or cfg.n_positions
         if self.max_len > cfg.n_positions:
             raise ValueError(f"max_len={self.max_len} exceeds GPT-2's context of "
                              f"n_positions={cfg.n_positions}")
-        self.cache = cache_cls(cfg.n_layer, batch_size, cfg.n_head, cfg.head_dim, self.max_len, p.dtype,
-                               p.device)
-        mark_static([t for t in _tensors_of(self.cache)])
-        # The decoder owns the position (the lab's caches do not track one): a 0-d tensor on the
-        # model's device, advanced in place, so the compiled step sees the same input every time.
-        self.pos = torch.zeros((), dtype=torch.long, device=p.device)
+        sizes = (cfg.n_layer, batch_size, cfg.n_head, cfg.head_dim, self.max_len, p.dtype, p.device)
+        if cache_cls is None or cache_cls is StaticCache:
+            self.cache = StaticCache(*sizes)
+        else:
+            inner = cache_cls(*sizes)
+            mark_static(list(_tensors_of(inner)))
+            self.cache = Lab8Cache(inner, cfg.n_layer, self.max_len, p.device)
+        self.model = model
+        if attention_fn is not None:    # the same modules and weights, with the learner's attention
+            self.model = copy.copy(model)
+            self.model.attention_fn = Lab8Attention(attention_fn)
         self.ids = torch.zeros(batch_size, 1, dtype=torch.long, device=p.device)   # the step's input
-        mark_static([self.pos, self.ids])
+        mark_static([self.ids])
         self.step = self._step
         self.compiled = False
         self.cuda_graphs = False
 
-    def _step(self, ids, pos):
-        """One decode step: ids ``[B, 1]`` at position ``pos`` -> the greedy next ids ``[B]``."""
-        return forward_static(self.model, ids, self.cache, pos, self.attention_fn).argmax(dim=-1)
+    def _step(self, ids):
+        """One decode step: ids ``[B, 1]`` at the cache's position -> the greedy next ids ``[B]``."""
+        return self.model(ids, self.cache, last_only=True)[:, -1].argmax(dim=-1)
 
     def compile(self, backend="inductor", mode: str | None = None, fullgraph: bool = True, **kwargs):
         """``torch.compile`` the decode step (``dynamic=False``: every step has the same shapes).
@@ -181,19 +258,18 @@ class StaticDecoder:
         ``mode=None`` picks ``"reduce-overhead"`` on CUDA (CUDA graphs) and ``"default"`` elsewhere
         (on a CPU, inductor generates C++/OpenMP kernels; there are no graphs to replay).
         """
+        on_cuda = self.ids.device.type == "cuda"
         if mode is None and backend == "inductor":
-            mode = "reduce-overhead" if self.pos.device.type == "cuda" else "default"
+            mode = "reduce-overhead" if on_cuda else "default"
         opts = dict(backend=backend, fullgraph=fullgraph, dynamic=False, **kwargs)
         if mode is not None:
             opts["mode"] = mode
         self.step = torch.compile(self._step, **opts)
         self.compiled = True
-        self.cuda_graphs = mode == "reduce-overhead" and self.pos.device.type == "cuda"
+        self.cuda_graphs = mode == "reduce-overhead" and on_cuda
         return self
 
-    @torch.no_grad()
-    def generate(self, input_ids, max_new_tokens: int) -> torch.Tensor:
-        """Greedy tokens ``[B, T + max_new_tokens]``, equal to ``kvlab.gpt2.generate``'s (chapter 8)."""
+    def _check(self, input_ids, max_new_tokens):
         ids = check_inputs(self.model, input_ids, max_new_tokens, batched=True)
         B, T = ids.shape
         if B != self.batch_size:
@@ -202,22 +278,26 @@ class StaticDecoder:
         if T + max_new_tokens > self.max_len:
             raise ValueError(f"prompt {T} + {max_new_tokens} new tokens exceeds the static cache's "
                              f"max_len={self.max_len}: make the decoder with a larger max_len")
+        return ids
+
+    @torch.no_grad()
+    def generate(self, input_ids, max_new_tokens: int) -> torch.Tensor:
+        """Greedy tokens ``[B, T + max_new_tokens]``, equal to ``kvlab.gpt2.generate``'s (chapter 8)."""
+        ids = self._check(input_ids, max_new_tokens)
+        B, T = ids.shape
         out = torch.empty(B, T + max_new_tokens, dtype=torch.long, device=ids.device)
         out[:, :T] = ids
         if max_new_tokens == 0:
             return out
         self.cache.reset()
-        self.pos.zero_()
-        nxt = forward_static(self.model, ids, self.cache, self.pos, self.attention_fn).argmax(dim=-1)
-        self.pos += T                                   # prefill, eager: prompt lengths vary
+        nxt = self.model(ids, self.cache, last_only=True)[:, -1].argmax(dim=-1)   # prefill, eager
         for t in range(T, T + max_new_tokens):
             out[:, t] = nxt
             if t + 1 < T + max_new_tokens:
                 if self.cuda_graphs:   # a new step: the graph may reuse its previous output's memory
                     torch.compiler.cudagraph_mark_step_begin()
                 self.ids.copy_(nxt[:, None])            # inputs at fixed addresses: nothing to copy in
-                nxt = self.step(self.ids, self.pos)     # the same graph for every step
-                self.pos += 1
+                nxt = self.step(self.ids)               # the same graph for every step
         return out
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from . import gpt2, plots, roofline, static, timing
+from . import gpt2, harness, plots, roofline, static, timing
 from .generate import hf_greedy
 
 # The four generators, and for each compiled one the eager one it replaces.
@@ -74,10 +74,7 @@ def _generators(hf, ours, prompt, new_tokens, device):
 
 
 def _check_tokens(runs, hf, prompt_len, new_tokens) -> None:
-    reference = runs[EAGER_HF]()
-    for name, fn in runs.items():          # a fast wrong generator is not a result
-        if not torch.equal(fn(), reference):
-            raise RuntimeError(f"{name} does not reproduce transformers' greedy tokens")
+    harness.same_tokens(runs, EAGER_HF)    # a fast wrong generator is not a result
     print(f"{getattr(hf, 'kvlab_name', '?')}: all {len(runs)} generators give transformers' greedy "
           f"tokens ({new_tokens} new after a prompt of {prompt_len})")
 

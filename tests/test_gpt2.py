@@ -115,3 +115,50 @@ def test_sliding_window(small):
     narrow = SlidingWindowCache(small.config.n_layer, window=4)
     generate(ours, ids, 20, cache=narrow)
     assert narrow.seq_len == 25 and narrow.keys[0].shape[2] == 4   # positions count on; 4 tokens held
+
+
+def test_from_hf_names_a_shape_mismatch(small):
+    """nanoGPT's habit: every copied weight's shape is checked, and a mismatch names the weight."""
+    cfg = HFConfig(n_layer=1, n_head=3, n_embd=48, n_positions=40, vocab_size=97, n_inner=100)
+    odd = GPT2LMHeadModel(cfg).eval()        # an MLP of width 100, where GPT-2 has 4 * n_embd
+    with pytest.raises(ValueError, match=r"transformer\.h\.0\.mlp\.c_fc\.weight.*\[48, 100\].*\[192, 48\]"):
+        GPT2.from_hf(odd)
+
+
+@torch.no_grad()
+def test_bad_input_is_refused_before_any_work(small):
+    ours = GPT2.from_hf(small)
+    cache = ours.new_cache(2, max_len=20)
+    ids = torch.randint(0, 97, (2, 5), generator=torch.Generator().manual_seed(5))
+    ours(ids, cache)
+    cases = [
+        (dict(input_ids=ids[:, :2], positions=torch.tensor([[6, 5], [5, 6]])), "run backwards"),
+        (dict(input_ids=ids[:, :1], positions=torch.tensor([[2], [5]])), "not after position 4"),
+        (dict(input_ids=ids[:1, :1]), "holds 2 row"),
+        (dict(input_ids=ids[:, :1], positions=torch.tensor([[40], [40]])), "past GPT-2's context"),
+        (dict(input_ids=ids[:, :1], positions=torch.tensor([5, 5])), "LongTensor"),
+    ]
+    for kwargs, match in cases:
+        with pytest.raises(ValueError, match=match):
+            ours(cache=cache, **kwargs)
+        assert cache.seq_len == 5                 # a refused call leaves nothing behind
+    with pytest.raises(ValueError, match="n_head=2 but the model has n_head=3"):
+        ours(ids, PreallocatedCache(2, 2, 2, 24, 20))
+    with pytest.raises(ValueError, match="n_positions=40"):
+        ours(torch.zeros(1, 41, dtype=torch.long))
+    given = ours(ids[:, :1], cache, positions=torch.tensor([[5], [5]]))
+    cache.rewind(5)
+    assert torch.equal(given, ours(ids[:, :1], cache))   # positions given, or asked of the cache: the same
+
+
+def test_padded_positions_are_hidden(small):
+    """A left-padded row (pads at position EMPTY) gives the logits of the same row unpadded."""
+    from kvlab.cache import EMPTY
+
+    ours = GPT2.from_hf(small)
+    ids = torch.randint(1, 97, (1, 6), generator=torch.Generator().manual_seed(6))
+    padded = torch.cat([torch.zeros(1, 3, dtype=torch.long), ids], dim=1)
+    pos = torch.tensor([[EMPTY] * 3 + list(range(6))])
+    with torch.no_grad():
+        got = ours(padded, ours.new_cache(1), positions=pos)[:, 3:]
+        assert (got - ours(ids)).abs().max() < TOL

@@ -5,8 +5,7 @@ import torch
 
 from kvlab.cache import Cache
 from kvlab.gpt2 import GPT2, attention, generate
-from kvlab.static import (StaticCache, StaticDecoder, forward_static, static_attention,
-                          static_attention_explicit)
+from kvlab.static import StaticCache, StaticDecoder, static_attention, static_attention_explicit
 
 
 @pytest.fixture(scope="module")
@@ -54,14 +53,16 @@ def test_static_attention_equals_chapter3_attention(T, pos):
         assert torch.allclose(fn(q, k, v, torch.tensor(pos)), want, atol=1e-10)
 
 
-def test_forward_static_matches_gpt2_forward(ours):
+def test_static_cache_through_the_one_forward(ours):
+    """The model's own forward on a static cache: the same logits as without a cache, prefill then a chunk."""
     ids = torch.randint(0, ours.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(0))
     cache = StaticCache(ours.config.n_layer, 2, ours.config.n_head, ours.config.head_dim, 16)
     with torch.no_grad():
-        got = forward_static(ours, ids[:, :7], cache, torch.tensor(0))
-        got2 = forward_static(ours, ids[:, 7:], cache, torch.tensor(7))
+        got = ours(ids[:, :7], cache, last_only=True)[:, -1]
+        got2 = ours(ids[:, 7:], cache, last_only=True)[:, -1]
         want = ours(ids)
     assert torch.allclose(got, want[:, 6], atol=1e-4) and torch.allclose(got2, want[:, 8], atol=1e-4)
+    assert cache.seq_len == 9 and cache.slot_pos[0, :10].tolist() == list(range(9)) + [-1]
 
 
 def test_decoder_eager_equals_reference(ours, tiny):

@@ -1,0 +1,81 @@
+"""The measurement harness: what bench, the report and every chapter share to check and time generators.
+
+The domain modules (``gpt2``, ``cache``, ``static``, ``paged``, ``serving``, ``quant``) compute; they print,
+plot and tabulate nothing. What turns their results into evidence lives here, once:
+
+* :func:`same_tokens` (and :func:`token_check`, which records rather than refuses): a fast wrong
+  generator is not a result, so every timed generator must first give the reference's tokens;
+* :func:`rewinding_step`: one decode step that rewinds its cache afterwards, so every call times the
+  same step (``cache.rewind``, part of every cache's interface);
+* :func:`rewind_and_regenerate`: generate, rewind, regenerate (what speculative decoding relies on);
+* :func:`print_table`: rows of dicts as an aligned text table.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def first_difference(a: torch.Tensor, b: torch.Tensor) -> int | None:
+    """Index (along the last dim) of the first token where ``a`` and ``b`` differ; None if identical,
+    0 if their shapes differ."""
+    if a.shape != b.shape:
+        return 0
+    diff = (a.cpu() != b.cpu()).nonzero()
+    return None if diff.numel() == 0 else int(diff[0, -1])
+
+
+def token_check(runs: dict, reference: str | None = None) -> dict:
+    """Run every generator of ``runs`` (name -> fn() returning token ids) once; for each, where its
+    tokens first differ from ``reference``'s (default: the first generator), None when they do not."""
+    want = runs[reference or next(iter(runs))]()
+    return {name: first_difference(fn(), want) for name, fn in runs.items()}
+
+
+def same_tokens(runs: dict, reference: str | None = None) -> None:
+    """A fast wrong generator is not a result: every generator of ``runs`` must give ``reference``'s
+    tokens (default: the first one's), else a RuntimeError names the first that does not."""
+    reference = reference or next(iter(runs))
+    for name, at in token_check(runs, reference).items():
+        if at is not None:
+            raise RuntimeError(f"{name} does not reproduce {reference}'s greedy tokens (first difference at "
+                               f"token {at}): not timing it")
+
+
+def rewinding_step(model, cache, tokens: torch.Tensor, length: int):
+    """A function that runs ONE forward of ``tokens`` ``[B, T]`` after the ``length`` tokens ``cache``
+    holds and then rewinds the cache to ``length``, so every call measures the same step."""
+
+    def step():
+        with torch.no_grad():
+            out = model(tokens, cache, last_only=True)
+            cache.rewind(length)
+            return out
+    return step
+
+
+@torch.no_grad()
+def rewind_and_regenerate(model, cache, input_ids: torch.Tensor, max_new_tokens: int, back: int):
+    """Greedy ``max_new_tokens`` through ``cache`` (the hand-built GPT-2's ``generate``), then rewind the
+    cache ``back`` tokens and decode them again. Returns ``(first, again)``, the last ``back`` new
+    tokens of both passes: a cache that rewinds correctly gives the same."""
+    from .gpt2 import generate
+
+    out = generate(model, input_ids, max_new_tokens, cache=cache)
+    length = cache.seq_len - back                    # the cache holds every token but the last
+    cache.rewind(length)
+    last, again = out[:, length:length + 1], []
+    for _ in range(back):
+        last = model(last, cache, last_only=True)[:, -1].argmax(-1, keepdim=True)
+        again.append(last)
+    return out[:, length + 1:], torch.cat(again, dim=1)
+
+
+def print_table(rows: list[dict], columns: dict) -> None:
+    """Rows of dicts as an aligned text table; ``columns`` maps a key to ``(header, format)``."""
+    cells = [[fmt.format(r[k]) for k, (_, fmt) in columns.items()] for r in rows]
+    heads = [h for h, _ in columns.values()]
+    widths = [max(len(h), *(len(c[i]) for c in cells)) for i, h in enumerate(heads)]
+    print("  ".join(h.rjust(w) if i else h.ljust(w) for i, (h, w) in enumerate(zip(heads, widths))))
+    for c in cells:
+        print("  ".join(x.rjust(w) if i else x.ljust(w) for i, (x, w) in enumerate(zip(c, widths))))

@@ -1,0 +1,218 @@
+"""One equivalence test for the whole book: every generator, the same prompts, the same greedy tokens.
+
+The reference is transformers' own ``generate`` (chapter 2). Every other generator of the book must give
+exactly its tokens: the naive loop (chapter 1), the DynamicCache loop (2), the hand-built GPT-2 with each
+cache of chapter 3 (concat, preallocated, a window wider than the text, paged memory), the static cache
+eager and compiled (8), the paged cache inside the serving engine (9), and each batched generator on a
+left-padded batch (6). Edges: a 1-token prompt, a cache filled to exactly max_len (and the whole
+context), a prompt that ends exactly on a block boundary, a sequence that crosses one during decode.
+Quantized caches are held to their stated tolerance (``kvlab.quant.TOLERANCE``). Every cache kind is
+rewound: generate, rewind, regenerate, same tokens.
+"""
+
+import pytest
+import torch
+
+from kvlab.batching import batched_generate, generate_padded, make_batch, one_by_one
+from kvlab.cache import ConcatCache, PreallocatedCache, SlidingWindowCache
+from kvlab.generate import cached_generate, hf_greedy, naive_generate
+from kvlab.gpt2 import GPT2, generate, generate_uncached
+from kvlab.harness import rewind_and_regenerate
+from kvlab.paged import PagedCache, PagedKVCache, ragged_forward
+from kvlab.quant import TOLERANCE, AbsmaxFakeInt8Cache, QuantizedCache, compare, score_through_cache
+from kvlab.serving import Engine, reference_tokens
+from kvlab.static import StaticCache, StaticDecoder
+
+N = 14   # new tokens per prompt
+
+TEXTS = ["And God said, Let there be light: and there was light.",
+         "The LORD is my shepherd; I shall not want.",
+         "In the beginning"]
+
+
+@pytest.fixture(scope="module")
+def setup(tiny):
+    hf, tok = tiny
+    return hf, tok, GPT2.from_hf(hf)
+
+
+@pytest.fixture(scope="module")
+def prompts(setup):
+    """(name, ids [1, T]) for three texts, a 1-token prompt, and prompts of 8 and 6 tokens (block size 4:
+    one ends on a block boundary, the other crosses one during decode)."""
+    _, tok, _ = setup
+    ids = [tok(t, return_tensors="pt").input_ids for t in TEXTS]
+    return [("text0", ids[0]), ("text1", ids[1]), ("text2", ids[2]), ("1 token", ids[0][:, :1]),
+            ("8 tokens: on a block boundary", ids[1][:, :8]), ("6 tokens: crosses a block", ids[0][:, :6])]
+
+
+@pytest.fixture(scope="module")
+def want(setup, prompts):
+    hf = setup[0]
+    return {name: hf_greedy(hf, ids, N) for name, ids in prompts}
+
+
+def _sizes(model, batch, max_len):
+    cfg = model.config
+    return cfg.n_layer, batch, cfg.n_head, cfg.head_dim, max_len
+
+
+def single_prompt_generators(hf, ours):
+    """name -> fn(ids [1, T], n) for every single-prompt generator of the book (caches built exactly:
+    max_len = prompt + new tokens, so every prompt fills its cache to exactly max_len)."""
+    L = hf.config.n_layer
+    exact = lambda ids, n: _sizes(ours, 1, ids.shape[1] + n)   # noqa: E731
+    return {
+        "chapter 1: naive": lambda ids, n: naive_generate(hf, ids, n),
+        "chapter 2: DynamicCache loop": lambda ids, n: cached_generate(hf, ids, n),
+        "chapter 3: no cache": lambda ids, n: generate_uncached(ours, ids, n),
+        "chapter 3: preallocated": lambda ids, n: generate(ours, ids, n, cache=PreallocatedCache(*exact(ids, n))),
+        "chapter 3: concat": lambda ids, n: generate(ours, ids, n, cache=ConcatCache(L)),
+        "chapter 3: window wider than the text": lambda ids, n: generate(ours, ids, n, cache=SlidingWindowCache(L, 512)),
+        "chapter 3: sinks + window wider than the text": lambda ids, n: generate(
+            ours, ids, n, cache=SlidingWindowCache(L, 256, sinks=4)),
+        "chapter 8: static, eager": lambda ids, n: StaticDecoder(ours, max_len=ids.shape[1] + n).generate(ids, n),
+        "chapter 9: paged (block 4)": lambda ids, n: generate(ours, ids, n, cache=PagedCache(*exact(ids, n), block_size=4)),
+        "chapter 9: paged (block 1)": lambda ids, n: generate(ours, ids, n, cache=PagedCache(*exact(ids, n), block_size=1)),
+    }
+
+
+def test_every_single_prompt_generator_gives_the_reference_tokens(setup, prompts, want):
+    hf, _, ours = setup
+    wrong = []
+    for gen_name, gen in single_prompt_generators(hf, ours).items():
+        for name, ids in prompts:
+            if not torch.equal(gen(ids, N), want[name]):
+                wrong.append(f"{gen_name} on {name}")
+    assert not wrong, f"different greedy tokens: {wrong}"
+
+
+def test_static_compiled_one_graph_same_tokens(setup, prompts, want):
+    """Chapter 8 compiled (aot_eager: no C++ compiler needed), one decoder for every prompt."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    _, _, ours = setup
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+    dec = StaticDecoder(ours, max_len=64).compile(backend=counter)
+    for name, ids in prompts:
+        assert torch.equal(dec.generate(ids, N), want[name]), name
+    assert counter.frame_count == 1
+
+
+def test_the_whole_context(setup):
+    """A prompt + new tokens that fill GPT-2's context exactly (n_positions), through the hand-built
+    model's preallocated, static and paged caches."""
+    hf, _, ours = setup
+    ctx = hf.config.n_positions
+    ids = torch.randint(1, hf.config.vocab_size, (1, ctx - 6), generator=torch.Generator().manual_seed(5))
+    ref = hf_greedy(hf, ids, 6)
+    assert torch.equal(generate(ours, ids, 6), ref)
+    assert torch.equal(StaticDecoder(ours, max_len=ctx).generate(ids, 6), ref)
+    assert torch.equal(generate(ours, ids, 6, cache=PagedCache(*_sizes(ours, 1, ctx), block_size=16)), ref)
+    with pytest.raises(ValueError, match="context"):
+        generate(ours, ids, 7)
+
+
+def test_serving_engine_gives_each_prompt_its_own_tokens(setup, prompts, want):
+    """Chapter 9: every prompt inside the engine (ragged steps, requests joining mid-run, a shared prefix
+    forked), tokens equal to the prompt alone; blocks of 4 (boundaries crossed and hit)."""
+    _, _, ours = setup
+    eng = Engine(ours, num_blocks=64, block_size=4, max_batch=3)
+    eng.add_prefix(prompts[0][1][0, :5].tolist())      # text0 and the 6-token prompt share it
+    reqs = {name: eng.submit(ids[0].tolist(), N) for name, ids in prompts}
+    eng.run()
+    eng.close()
+    for name, r in reqs.items():
+        assert r.tokens == want[name][0, -N:].tolist(), name
+    assert eng.cache.blocks_used == 0
+
+
+def test_ragged_step_by_hand(setup, prompts, want):
+    """The paged cache alone, one ragged step at a time: two prefills in one step, then both decode."""
+    _, _, ours = setup
+    (a_name, a), (b_name, b) = prompts[0], prompts[5]
+    cache = PagedKVCache.for_model(ours, num_blocks=32, block_size=4)
+    logits = ragged_forward(ours, cache, ["a", "b"], [a[0].tolist(), b[0].tolist()])
+    out = [[t] for t in logits.argmax(-1).tolist()]
+    for _ in range(N - 1):
+        logits = ragged_forward(ours, cache, ["a", "b"], [out[0][-1:], out[1][-1:]])
+        for row, t in zip(out, logits.argmax(-1).tolist()):
+            row.append(t)
+    assert out == [want[a_name][0, -N:].tolist(), want[b_name][0, -N:].tolist()]
+    assert cache.lengths == {"a": a.shape[1] + N - 1, "b": b.shape[1] + N - 1}
+
+
+def test_left_padded_batches(setup):
+    """Chapter 6: transformers' batched generator, and the hand-built GPT-2 on the same left-padded batch
+    through every dense cache, equal to each prompt alone."""
+    hf, tok, ours = setup
+    alone = one_by_one(hf, tok, TEXTS + ["In"], N)
+    assert batched_generate(hf, tok, TEXTS + ["In"], N) == alone
+    ids, mask, _ = make_batch(tok, TEXTS + ["In"])
+    B, T = ids.shape
+    L = hf.config.n_layer
+    for cache in (None, ConcatCache(L), SlidingWindowCache(L, 512), StaticCache(*_sizes(ours, B, T + N)),
+                  PreallocatedCache(*_sizes(ours, B, T + N))):
+        assert generate_padded(ours, ids, mask, N, cache=cache).tolist() == alone, type(cache).__name__
+
+
+@pytest.mark.parametrize("bits", sorted(TOLERANCE))
+def test_quantized_caches_within_their_stated_tolerance(setup, bits):
+    """Teacher-forced through a quantized cache against the full-precision one: top-1 agreement and KL
+    within ``kvlab.quant.TOLERANCE[bits]``; a residual window as long as the text is exact."""
+    hf, tok, ours = setup
+    ids = tok(" ".join(TEXTS * 4), return_tensors="pt").input_ids[:, :160]
+    sizes = _sizes(ours, 1, ids.shape[1])
+    ref = score_through_cache(ours, PreallocatedCache(*sizes), ids, 32)
+    got = score_through_cache(ours, QuantizedCache(*sizes, bits=bits, block=16), ids, 32)
+    q = compare(ref, got, ids[:, 32:])
+    tol = TOLERANCE[bits]
+    assert q["agree"] >= tol["agree"] and q["kl"] <= tol["kl"], (bits, q)
+    exact = QuantizedCache(*sizes, bits=bits, residual=ids.shape[1])   # nothing ever quantized
+    assert torch.equal(generate(ours, ids[:, :20], N, cache=exact), hf_greedy(hf, ids[:, :20], N))
+
+
+def rewindable_caches(model, max_len):
+    """name -> a fresh cache of every kind, batch 1 (the kinds speculative decoding must rewind)."""
+    L, sizes = model.config.n_layer, _sizes(model, 1, max_len)
+    return {
+        "preallocated": PreallocatedCache(*sizes), "concat": ConcatCache(L),
+        "sliding window": SlidingWindowCache(L, 64), "window + sinks": SlidingWindowCache(L, 40, sinks=4),
+        "static": StaticCache(*sizes), "paged (block 4)": PagedCache(*sizes, block_size=4),
+        "quantized 4-bit, residual 16": QuantizedCache(*sizes, bits=4, block=8, residual=16),
+        "absmax fake int8": AbsmaxFakeInt8Cache(*sizes),
+    }
+
+
+def test_rewind_every_cache_kind(setup, prompts):
+    """Generate, rewind k tokens, regenerate: the same tokens again, for every cache kind."""
+    _, _, ours = setup
+    ids = prompts[1][1]
+    for name, cache in rewindable_caches(ours, ids.shape[1] + N).items():
+        first, second = rewind_and_regenerate(ours, cache, ids, N, back=4)
+        assert torch.equal(first, second), name
+        assert cache.seq_len == ids.shape[1] + N - 1, name
+
+
+def test_rewind_refuses_what_is_gone(setup, prompts):
+    """A window that has dropped tokens, or quantized blocks, cannot be rewound exactly: a clear error."""
+    _, _, ours = setup
+    ids = prompts[0][1]
+    L, sizes = ours.config.n_layer, _sizes(ours, 1, ids.shape[1] + N)
+    narrow = SlidingWindowCache(L, 4)
+    generate(ours, ids, N, cache=narrow)
+    with pytest.raises(ValueError, match="dropped"):
+        narrow.rewind(narrow.seq_len - 2)
+    quant = QuantizedCache(*sizes, bits=4, block=4)
+    generate(ours, ids, N, cache=quant)
+    with pytest.raises(ValueError, match="quantized"):
+        quant.rewind(2)
+    with pytest.raises(ValueError, match="between 0 and"):
+        PreallocatedCache(*sizes).rewind(3)
+
+
+def test_reference_tokens_is_chapter_3(setup, prompts, want):
+    _, _, ours = setup
+    for name, ids in prompts:
+        assert reference_tokens(ours, ids[0].tolist(), N) == want[name][0, -N:].tolist()
