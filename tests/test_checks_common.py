@@ -90,10 +90,11 @@ def test_call_unmodified_names_the_argument():
 @pytest.mark.parametrize("read, named", [
     (lambda p: p.tolist(), ".tolist()"),
     (lambda p: p.numpy(), ".numpy()"),
-    (lambda p: p.item(), "int()/.item()"),
-    (lambda p: int(p), "int()/.item()"),
+    (lambda p: p.item(), ".item()"),
+    (lambda p: int(p), "int(tensor)"),
     (lambda p: [s for s in p + torch.arange(2)], "iterating"),
-    (lambda p: torch.zeros(8)[p:p + 2], "int()/.item()"),
+    (lambda p: torch.zeros(8)[p:p + 2], "slicing"),
+    (lambda p: 1 if p > 2 else 0, "an if on a tensor"),
 ])
 def test_value_reads_sees_every_way_back_to_python(read, named):
     with ValueReads() as reads:

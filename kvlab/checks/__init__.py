@@ -18,7 +18,8 @@ from .lab04 import check_kv_cache_bytes, check_max_batch_size, check_max_seq_len
 from .lab05 import check_quantize, check_quantize_int
 from .lab06 import check_batched_generate, check_batched_generate_until, check_make_batch
 from .lab07 import check_decode_step_bytes, check_step_time_floor
-from .lab08 import check_no_recompile, check_static_attention, check_static_cache
+from .lab08 import (check_hidden_nan, check_no_recompile, check_static_attention, check_static_cache,
+                    check_static_generate)
 from .lab09 import check_block_allocator, check_paged_gather, check_paged_generate
 
 __all__ = [
@@ -43,6 +44,8 @@ __all__ = [
     "check_static_cache",
     "check_static_attention",
     "check_no_recompile",
+    "check_static_generate",
+    "check_hidden_nan",
     "check_block_allocator",
     "check_paged_gather",
     "check_paged_generate",

@@ -465,12 +465,13 @@ class ValueReads:
     """Counts every read of a tensor's value back into Python inside a ``with`` block: ``.item()``,
     ``int()``/``float()``/``bool()``/indexing with a tensor (the aten op ``_local_scalar_dense``),
     ``.tolist()``, ``.numpy()``, iterating over a tensor. Eager code does not mind; under
-    ``torch.compile`` each is a graph break, and the value becomes a constant of the next graph.
-    ``what`` lists them, e.g. ``['.tolist()', 'int()/.item()']``."""
+    ``torch.compile`` each is a graph break, or the value becomes a constant of the graph.
+    ``what`` lists them, e.g. ``['.tolist()', 'int(tensor)']``."""
 
     _METHODS = {"tolist": ".tolist()", "numpy": ".numpy()", "__iter__": "iterating over a tensor",
-                "item": "int()/.item()", "__int__": "int()/.item()", "__float__": "int()/.item()",
-                "__bool__": "bool(tensor) (an if on a tensor)", "__index__": "int()/.item()"}
+                "item": ".item()", "__int__": "int(tensor)", "__float__": "float(tensor)",
+                "__bool__": "an if on a tensor", "__index__": "slicing or indexing with a tensor"}
+    _DISPATCH = "a value read back (.item(), or slicing/indexing with a tensor)"
 
     def __init__(self):
         self.what: list[str] = []
@@ -491,7 +492,7 @@ class ValueReads:
         class _Dispatch(TorchDispatchMode):
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):
                 if func is torch.ops.aten._local_scalar_dense.default:
-                    reads.what.append("int()/.item()")
+                    reads.what.append(ValueReads._DISPATCH)
                 return func(*args, **(kwargs or {}))
 
         self._modes = [_Functions(), _Dispatch()]
@@ -518,7 +519,10 @@ class ValueReads:
         return len(self.what)
 
     def named(self) -> str:
-        return ", ".join(dict.fromkeys(self.what))
+        """The ways seen, e.g. ``"int(tensor), .tolist()"`` (a read inside an op only when nothing
+        more precise was seen)."""
+        precise = [w for w in dict.fromkeys(self.what) if w != self._DISPATCH]
+        return ", ".join(precise or list(dict.fromkeys(self.what)))
 
 
 # ------------------------------------------------------------------------ diagnoses, confirmed
