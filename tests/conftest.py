@@ -33,9 +33,16 @@ def own_copy(obj):
     import sys
     import textwrap
 
-    module = sys.modules[obj.__module__]
-    namespace = dict(vars(module), __name__=f"own_copy_of_{module.__name__.replace('.', '_')}")
+    import types
+
+    source = sys.modules[obj.__module__]
+    name = f"own_copy_of_{source.__name__.replace('.', '_')}"
+    module = sys.modules.get(name)
+    if module is None:            # a real module (torch.compile looks functions' modules up)
+        module = types.ModuleType(name)
+        module.__dict__.update({k: v for k, v in vars(source).items() if not k.startswith("__")})
+        sys.modules[name] = module
     code = compile(textwrap.dedent(inspect.getsource(obj)), f"<own copy of {obj.__qualname__}>",
                    "exec")
-    exec(code, namespace)  # noqa: S102 - the library's own source, for the tests
-    return namespace[obj.__name__]
+    exec(code, module.__dict__)  # noqa: S102 - the library's own source, for the tests
+    return module.__dict__[obj.__name__]
