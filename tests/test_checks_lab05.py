@@ -202,10 +202,15 @@ def test_quantize_int():
 # ------------------------------------------------ issue 24: devices, stale answers, the library
 
 def codes_on_cpu(x, bits, dim):
-    """Builds the codes with torch.tensor / torch.zeros and no device=: right on a CPU only."""
-    q, scale, zp = quantize(x, bits, dim)
-    return torch.zeros(q.shape, dtype=torch.uint8) + q.cpu() if x.device.type != "meta" else \
-        torch.zeros(q.shape, dtype=torch.uint8), scale, zp
+    """Reads no value (so meta can judge it), but builds the codes with no device=: right on a CPU only."""
+    _validate(bits)
+    levels = 2 ** bits - 1
+    lo, hi = x.amin(dim, keepdim=True), x.amax(dim, keepdim=True)
+    scale = (hi - lo) / levels
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    codes = torch.round((x - lo) / scale).clamp(0, levels)
+    return torch.zeros(x.shape, dtype=torch.uint8) + codes.to("cpu", torch.uint8) \
+        if x.device.type != "meta" else torch.zeros(x.shape, dtype=torch.uint8), scale, lo
 
 
 _FIRST: dict = {}
