@@ -388,3 +388,24 @@ def test_hidden_nan_rejects():
                     "zero the buffers in reset()")
     expect_rejected(lambda a: check_hidden_nan(StaticCache, a, "NaN", True), static_attention_explicit,
                     "True")
+
+
+def static_generate_feeds_views(model, cache, step, input_ids, max_new_tokens):
+    """Right tokens, but feeds the step views into its output tensor, whose width (so the views'
+    strides) changes with the prompt: a second graph for the second prompt."""
+    B, T = input_ids.shape
+    out = torch.empty(B, T + max_new_tokens, dtype=torch.long)
+    out[:, :T] = input_ids
+    if max_new_tokens:
+        cache.reset()
+        with torch.no_grad():
+            out[:, T] = model(input_ids, cache, last_only=True)[:, -1].argmax(-1)
+            pos = torch.tensor(T)
+            for t in range(T + 1, T + max_new_tokens):
+                out[:, t] = step(out[:, t - 1:t], pos)
+                pos = pos + 1
+    return out
+
+
+def test_static_generate_rejects_a_changing_layout():
+    expect_rejected(check_static_generate, static_generate_feeds_views, "strides", "same layout")

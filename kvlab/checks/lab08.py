@@ -549,7 +549,7 @@ class _Step:
             return model(ids, cache, positions=positions, last_only=True)[:, -1].argmax(dim=-1)
 
         self.compiled = torch.compile(decode_step, backend=counter, dynamic=False)
-        self.cache, self.calls, self.case = cache, 0, None
+        self.cache, self.calls, self.case, self.layout = cache, 0, None, None
 
     def __call__(self, ids, pos):
         self.calls += 1
@@ -568,6 +568,13 @@ class _Step:
                                   "torch.compile makes a Python number a constant of the graph, so every "
                                   "new position would compile a new one: keep pos a 0-d torch.long tensor, "
                                   "pos = torch.tensor(T), and advance it as a tensor (pos + 1)")
+        if self.layout is not None and ids.stride() != self.layout:
+            raise fail(NAME_LOOP, f"{where}: step call #{k} got ids with strides {ids.stride()}, an earlier "
+                                  f"call {self.layout} (a view into your output tensor, whose width changes "
+                                  "with the prompt?). torch.compile specialises on strides as on shapes, so a "
+                                  "new layout is a new graph: hand the step the same layout every time, e.g. "
+                                  "next_ids[:, None], or a [B, 1] buffer you copy_ into")
+        self.layout = ids.stride()
         if pos.dim() != 0 or pos.dtype != torch.long:
             raise fail(NAME_LOOP, f"{where}: step call #{k} got pos of shape {list(pos.shape)} and dtype "
                                   f"{pos.dtype}; the contract is a 0-d torch.long tensor")
