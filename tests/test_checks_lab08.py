@@ -409,3 +409,131 @@ def static_generate_feeds_views(model, cache, step, input_ids, max_new_tokens):
 
 def test_static_generate_rejects_a_changing_layout():
     expect_rejected(check_static_generate, static_generate_feeds_views, "strides", "same layout")
+
+
+# ------------------------------------------------ issue 24: the unit graders against the kinds
+
+class CacheReturnsList(StaticCache):                # correct: a list [keys, values], as the model accepts
+    def update(self, layer, k, v, pos=None):
+        return list(super().update(layer, k, v, pos))
+
+
+class CacheOneBuffer(StaticCache):                  # keys and values in one buffer: values over keys
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.values = self.keys
+
+
+class CacheToListSlots(StaticCache):                # the slots read back with .tolist()
+    def update(self, layer, k, v, pos=None):
+        for j, s in enumerate((pos + torch.arange(k.shape[2])).tolist()):
+            self.keys[layer][:, :, s] = k[:, :, j]
+            self.values[layer][:, :, s] = v[:, :, j]
+        return self.keys[layer], self.values[layer]
+
+
+class CacheIteratesSlots(StaticCache):              # iterates over a tensor of slots
+    def update(self, layer, k, v, pos=None):
+        for j, s in enumerate(pos + torch.arange(k.shape[2])):
+            self.keys[layer][:, :, s] = k[:, :, j]
+            self.values[layer][:, :, s] = v[:, :, j]
+        return self.keys[layer], self.values[layer]
+
+
+class CacheAdvancesPos(StaticCache):                # moves the caller's position on, in place
+    def update(self, layer, k, v, pos=None):
+        out = super().update(layer, k, v, pos)
+        if layer == len(self.keys) - 1:
+            pos += k.shape[2]
+        return out
+
+
+class CacheOnCpuAlways(StaticCache):                # ignores device=
+    def __init__(self, n_layer, batch_size, n_head, head_dim, max_len, dtype=torch.float32, device="cpu"):
+        super().__init__(n_layer, batch_size, n_head, head_dim, max_len, dtype, "cpu")
+
+
+class CacheClassBuffers:                            # buffers on the class: every cache shares them
+    store = {}
+
+    def __init__(self, n_layer, batch_size, n_head, head_dim, max_len, dtype=torch.float32, device="cpu"):
+        key = (n_layer, batch_size, n_head, head_dim, max_len, dtype, str(device))
+        shape = (batch_size, n_head, max_len, head_dim)
+        if key not in CacheClassBuffers.store:
+            CacheClassBuffers.store[key] = [[torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layer)]
+                                            for _ in range(2)]
+        self.k, self.v = CacheClassBuffers.store[key]
+
+    def update(self, layer, k, v, pos):
+        slots = pos + torch.arange(k.shape[2], device=k.device)
+        self.k[layer].index_copy_(2, slots, k)
+        self.v[layer].index_copy_(2, slots, v)
+        return self.k[layer], self.v[layer]
+
+    def reset(self):
+        for t in self.k + self.v:
+            t.zero_()
+
+
+def test_cache_accepts_a_list(capsys):
+    check_static_cache(CacheReturnsList)
+    assert "PASSED" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("impl, needles", [
+    (CacheOneBuffer, ["share one buffer"]),
+    (CacheToListSlots, [".tolist()", "graph break"]),
+    (CacheIteratesSlots, ["iterating over a tensor"]),
+    (CacheAdvancesPos, ["modified its argument pos"]),
+    (CacheOnCpuAlways, ["device='meta'", "on cpu"]),
+    (CacheClassBuffers, ["two caches alive at once"]),
+])
+def test_cache_rejects_issue_24(impl, needles):
+    CacheClassBuffers.store.clear()
+    expect_rejected(check_static_cache, impl, *needles)
+
+
+_SEEN: dict = {}
+
+
+def attention_remembers(q, k, v, pos):
+    key = (tuple(q.shape), tuple(k.shape), q.device)
+    if key not in _SEEN:
+        _SEEN[key] = static_attention_explicit(q, k, v, pos)
+    return _SEEN[key].clone()
+
+
+def attention_mask_on_cpu(q, k, v, pos):            # torch.arange without device=
+    T, S = q.shape[-2], k.shape[-2]
+    hidden = torch.arange(S)[None] > pos.cpu() + torch.arange(T)[:, None]
+    scores = (q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])
+    return torch.softmax(scores.masked_fill(hidden, float("-inf")), -1) @ v
+
+
+def attention_tolist(q, k, v, pos):
+    return static_attention_explicit(q, k, v, torch.tensor(pos.tolist()))
+
+
+def attention_off_on_last_query(q, k, v, pos):      # a mistake with no name
+    out = static_attention_explicit(q, k, v, pos).clone()
+    out[:, :, -1] += 0.01
+    return out
+
+
+@pytest.mark.parametrize("impl, needles", [
+    (attention_remembers, ["remembered result"]),
+    (attention_mask_on_cpu, ["meta", "device=q.device"]),
+    (attention_tolist, [".tolist()"]),
+    (attention_off_on_last_query, ["largest error", "wrong queries"]),
+])
+def test_attention_rejects_issue_24(impl, needles):
+    _SEEN.clear()
+    expect_rejected(check_static_attention, impl, *needles)
+
+
+def test_library_refused():
+    from kvlab import static
+
+    expect_rejected(check_static_cache, static.StaticCache, "kvlab.static.StaticCache", "yourself")
+    expect_rejected(check_static_attention, static.static_attention, "kvlab.static.static_attention")
+    expect_rejected(lambda c: check_no_recompile(c, static_attention), static.StaticCache, "library's own")

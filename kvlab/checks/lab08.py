@@ -86,7 +86,8 @@ def _bad_rows(o):
 
 
 def _pair(got):
-    return isinstance(got, tuple) and len(got) == 2 and all(isinstance(t, torch.Tensor) for t in got)
+    """(keys, values) as a tuple or a list, as the model's cache adapter unpacks either."""
+    return isinstance(got, (tuple, list)) and len(got) == 2 and all(isinstance(t, torch.Tensor) for t in got)
 
 
 def _unwritten_dirty(o):
@@ -102,7 +103,7 @@ def _at0(o):
 
 # (name, mistake present?, message). Checked in order on every update; the first hit fails.
 _CACHE_MISTAKES = [
-    ("not a pair", lambda o: not _pair(o.got), "update must return a tuple (keys, values) of tensors"),
+    ("not a pair", lambda o: not _pair(o.got), "update must return (keys, values), a tuple of two tensors"),
     ("sliced", lambda o: o.keys.dim() == 4 and o.keys.shape[2] == o.pos + o.T < o.max_len,
      "update returned positions 0 .. pos+T-1 only, a slice to the current length: its shape then "
      "changes at every step, and a compiled step recompiles for every new shape. Return the WHOLE "
@@ -229,6 +230,10 @@ def _check_small_cases(StaticKVCache) -> None:
                                "buffers. Every cache needs buffers of its own (made in __init__, kept on "
                                "self; not on the class or in a global)")
     meta = _make_cache(StaticKVCache, 2, 1, 2, 4, 8, torch.float16, "meta")
+    bad = misplaced(list(held_tensors(meta)), "meta", torch.float16)
+    if bad:
+        raise fail(NAME_CACHE, f"a cache made with device='meta', dtype=float16 holds {', '.join(bad[:4])}. "
+                               "Allocate the buffers with the device and dtype given")
     k = torch.empty(1, 2, 3, 4, dtype=torch.float16, device="meta")
     try:
         got = meta.update(0, k, k.clone(), torch.tensor(2, device="meta"))
