@@ -404,3 +404,9 @@ def test_library_refused():
     expect_rejected(check_kv_cache, cache.PreallocatedCache, "kvlab.cache.PreallocatedCache")
     expect_rejected(check_kv_cache, Inherits, "library's own")
     expect_rejected(check_attention, gpt2.attention, "kvlab.gpt2.attention", "yourself")
+
+
+def test_cache_bytes_prediction_names_what_is_left_out():
+    # the library's cache also keeps slot_pos: a prediction of the K/V alone is 8,192 bytes short
+    expect_rejected(lambda c: check_cache_bytes_prediction(c, 2 * 12 * 12 * 1024 * 64 * 4), PreallocatedCache,
+                    "8,192 bytes short", "slot_pos [1, 1024] int64")

@@ -574,15 +574,22 @@ def check_cache_bytes_prediction(KVCache, predicted_bytes) -> None:
     except Exception as e:  # noqa: BLE001
         raise fail(name, f"KVCache(12, 1, 12, 64, 1024, float32, 'meta') raised "
                          f"{type(e).__name__}: {e}") from e
-    held = sum(t.numel() * t.element_size() for _, t in held_tensors(cache))
+    tensors = list(held_tensors(cache))
+    held = sum(t.numel() * t.element_size() for _, t in tensors)
     if not isinstance(predicted_bytes, int) or isinstance(predicted_bytes, bool):
         raise fail(name, "predict a whole number of bytes (an int), got "
                          f"{type(predicted_bytes).__name__}")
     if predicted_bytes != held:
         ratio = predicted_bytes / held if held else float("inf")
+        parts = "; ".join(f"{n} {list(t.shape)} {str(t.dtype).replace('torch.', '')}: "
+                          f"{t.numel() * t.element_size():,}" for n, t in tensors[:6])
+        off = (f"{abs(held - predicted_bytes):,} bytes "
+               + ("short" if predicted_bytes < held else "too many")
+               + ("" if abs(ratio - 1) < 0.01 else f"; your prediction is {ratio:.3g} times that"))
         raise fail(name, f"you predicted {predicted_bytes:,} bytes; your cache's buffers hold "
-                         f"{held:,} (your prediction is {ratio:.3g} times that): count keys AND "
-                         "values, every layer, max_len positions (it is preallocated), 4 bytes "
-                         "per float32")
+                         f"{held:,} ({off}). They are: {parts}"
+                         + ("; ..." if len(tensors) > 6 else "") + ". Count keys AND values, "
+                         "every layer, max_len positions (it is preallocated), 4 bytes per float32, "
+                         "and anything else your class keeps")
     passed(name, f"{held:,} bytes, exactly what the buffers of your KVCache hold at GPT-2 small's "
                  "sizes")
