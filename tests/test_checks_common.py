@@ -133,3 +133,19 @@ def test_held_tensors_and_misplaced():
     assert misplaced(held_tensors(C()), "cpu", torch.float32) == ["layers[0][0] in torch.float16"]
     assert misplaced(held_tensors(C()), "meta") == ["k on cpu", "layers[0][0] on cpu",
                                                     "layers[0][1] on cpu"]
+
+
+def test_an_unfilled_stub_says_so():
+    """A lab's stub raises NotImplementedError: every check lets it through as it is (no grader
+    message dressed around it, no grader frames)."""
+    from kvlab.checks import check_cache_bytes_prediction, check_static_cache
+
+    class Stub:
+        def __init__(self, *args):
+            raise NotImplementedError("Exercise: write Stub.__init__")
+
+    for check in (check_kv_cache, check_static_cache, lambda c: check_cache_bytes_prediction(c, 1)):
+        with pytest.raises(NotImplementedError, match="Exercise: write Stub.__init__") as err:
+            check(Stub)
+        text = "".join(traceback.format_exception(err.value))
+        assert "lab03.py" not in text and "lab08.py" not in text     # only the (hidden) wrapper

@@ -571,6 +571,8 @@ def check_cache_bytes_prediction(KVCache, predicted_bytes) -> None:
     name = "check_cache_bytes_prediction"
     try:
         cache = KVCache(12, 1, 12, 64, 1024, torch.float32, "meta")
+    except NotImplementedError:                     # a stub not filled in yet
+        raise
     except Exception as e:  # noqa: BLE001
         raise fail(name, f"KVCache(12, 1, 12, 64, 1024, float32, 'meta') raised "
                          f"{type(e).__name__}: {e}") from e
