@@ -28,11 +28,10 @@ def expect_rejected(check, impl, *needles):
 
 def own_copy(obj):
     """A copy of a kvlab function or class defined outside kvlab, as a learner's own would be (the
-    graders refuse the library's own code): its source run again in a copy of its module's globals."""
+    graders refuse the library's code, and code that calls it): the source of its whole module run
+    again as a module of its own, so the helpers it calls are copies too."""
     import inspect
     import sys
-    import textwrap
-
     import types
 
     source = sys.modules[obj.__module__]
@@ -40,9 +39,8 @@ def own_copy(obj):
     module = sys.modules.get(name)
     if module is None:            # a real module (torch.compile looks functions' modules up)
         module = types.ModuleType(name)
-        module.__dict__.update({k: v for k, v in vars(source).items() if not k.startswith("__")})
+        module.__package__ = source.__package__            # its relative imports still resolve
         sys.modules[name] = module
-    code = compile(textwrap.dedent(inspect.getsource(obj)), f"<own copy of {obj.__qualname__}>",
-                   "exec")
-    exec(code, module.__dict__)  # noqa: S102 - the library's own source, for the tests
-    return module.__dict__[obj.__name__]
+        code = compile(inspect.getsource(source), f"<own copy of {source.__name__}>", "exec")
+        exec(code, module.__dict__)  # noqa: S102 - the library's own source, for the tests
+    return getattr(module, obj.__name__)

@@ -149,3 +149,43 @@ def test_an_unfilled_stub_says_so():
             check(Stub)
         text = "".join(traceback.format_exception(err.value))
         assert "lab03.py" not in text and "lab08.py" not in text     # only the (hidden) wrapper
+
+
+from kvlab import gpt2 as _library_gpt2  # noqa: E402
+from kvlab.gpt2 import attention as _library_attention  # noqa: E402
+
+
+def wraps_by_module(q, k, v, past_len):
+    return _library_gpt2.attention(q, k, v, past_len)
+
+
+def wraps_by_name(q, k, v, past_len):
+    return (lambda: _library_attention(q, k, v, past_len))()          # even inside a lambda
+
+
+class CacheWrappingTheLibrary:
+    """Every method hands on to the library's cache."""
+
+    def __init__(self, *args):
+        from kvlab import cache
+        self.inner = cache.PreallocatedCache(*args)
+
+    def update(self, layer, k, v):
+        return self.inner.update(layer, k, v)
+
+
+def uses_an_attribute_named_like_the_library(q, k, v, past_len):
+    """`.attention` as an attribute name (not the library's function) must not count."""
+    holder = type("H", (), {"attention": staticmethod(no_mask)})
+    return holder.attention(q, k, v, past_len)
+
+
+def test_a_wrapper_around_the_library_is_refused():
+    from kvlab.checks._common import library_calls
+
+    assert library_calls(wraps_by_module) == ["kvlab.gpt2.attention"]
+    assert library_calls(wraps_by_name) == ["kvlab.gpt2.attention"]
+    assert library_calls(uses_an_attribute_named_like_the_library) == []
+    assert library_calls(CacheWrappingTheLibrary) == ["kvlab.cache (imported inside your code)"]
+    with pytest.raises(GraderFailure, match="your code uses kvlab.gpt2.attention"):
+        check_attention(wraps_by_module)

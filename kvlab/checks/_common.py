@@ -337,14 +337,84 @@ def library_origin(obj) -> str | None:
     return None
 
 
+def _codes(code):
+    """A code object and every function, lambda or class body defined inside it."""
+    yield code
+    for const in code.co_consts:
+        if inspect.iscode(const):
+            yield from _codes(const)
+
+
+def _own_functions(obj):
+    """The learner's own functions behind ``obj``: itself, or the methods its class defines."""
+    if inspect.isclass(obj):
+        for klass in obj.__mro__:
+            if klass is object or _in_kvlab(klass.__module__):
+                continue
+            for value in vars(klass).values():
+                value = getattr(value, "fget", value)           # a property's getter
+                value = getattr(value, "__func__", value)       # static/class methods
+                if inspect.isfunction(value):
+                    yield value
+    elif inspect.isfunction(inspect.unwrap(obj)):
+        yield inspect.unwrap(obj)
+
+
+# kvlab modules that are tools, not answers: a learner's code may import these
+_LIBRARY_TOOLS = ("kvlab.models", "kvlab.timing", "kvlab.plots", "kvlab.checks")
+
+
+def library_calls(obj) -> list[str]:
+    """The kvlab functions and classes the learner's ``obj`` names in its code (read from the code,
+    not run): ``gpt2.attention(...)`` or ``attention(...)`` imported from kvlab, in a wrapper."""
+    import builtins
+    import dis
+
+    found = []
+    for fn in _own_functions(obj):
+        g = getattr(fn, "__globals__", {})
+        for code in _codes(fn.__code__):
+            ops = list(dis.get_instructions(code))
+            for n, (op, after) in enumerate(zip(ops, ops[1:] + [None])):
+                if op.opname == "IMPORT_NAME" and _in_kvlab(str(op.argval)):
+                    names = []
+                    for later in ops[n + 1:]:           # from kvlab.x import a, b
+                        if later.opname != "IMPORT_FROM" and later.opname.startswith("IMPORT"):
+                            break
+                        if later.opname == "IMPORT_FROM":
+                            names.append(f"{op.argval}.{later.argval}")
+                    used = [m for m in names or [str(op.argval)]
+                            if not m.startswith(_LIBRARY_TOOLS)]
+                    found += [f"{m} (imported inside your code)" for m in used]
+                    continue
+                if op.opname not in ("LOAD_GLOBAL", "LOAD_NAME") or not isinstance(op.argval, str):
+                    continue                     # only global names, not attributes or locals
+                value = g.get(op.argval, getattr(builtins, op.argval, None))
+                if inspect.ismodule(value) and _in_kvlab(value.__name__):
+                    if after is not None and after.opname in ("LOAD_ATTR", "LOAD_METHOD"):
+                        value = getattr(value, str(after.argval), None)   # kvlab.x.name
+                    else:
+                        continue
+                where = None if value is None or inspect.ismodule(value) else library_origin(value)
+                if where is not None:
+                    found.append(where)
+    return sorted(set(found))
+
+
 def refuse_library(check: str, args) -> None:
-    """A learner who hands the library's own reference to a grader is told to write their own."""
+    """A learner who hands the library's own reference to a grader, or a wrapper that calls it, is
+    told to write their own."""
     for a in args:
         where = library_origin(a)
         if where is not None:
             raise fail(check, f"you handed in {where}, the library's own implementation (or a "
                               "class built on it). The exercise is to write it yourself: define "
                               "your own function or class in the notebook and pass that")
+        calls = library_calls(a)
+        if calls:
+            raise fail(check, f"your code uses {', '.join(calls[:3])}, the library's own "
+                              "implementation. The exercise is to write it yourself (torch and "
+                              "transformers are yours to use; kvlab's answers are not)")
 
 
 def _grader_frame(tb) -> bool:
