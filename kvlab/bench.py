@@ -13,6 +13,10 @@ measurements, not properties.
 The compiled rows (chapter 8: a static cache and ``torch.compile`` of the decode step, CUDA graphs on a
 GPU; ``--no-compile`` skips them) are compiled before the run; their compile time is printed apart,
 with the number of tokens after which compiling pays off. On a CPU this needs a C++ compiler.
+
+Each generator's achieved bandwidth (the bytes of its generation, chapter 7's count, over its median
+time) is printed in GB/s and as a share of the read probe's bandwidth: the figure to compare
+across machines.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import argparse
 
 import torch
 
-from . import gpt2, harness, models, roofline, static, timing
+from . import gpt2, harness, models, roofline, static, staticbench, timing
 from .cli import at_least
 from .generate import cached_generate, hf_greedy, naive_generate
 
@@ -59,14 +63,16 @@ def run(model_name: str, new_tokens: int, prompt_len: int, repeats: int, threads
     print(f"all {len(runs)} generators give identical tokens ({new_tokens} new, prompt {prompt_len})")
 
     res = timing.compare(runs, warmup=0, repeats=repeats)   # the correctness pass above was the warm-up
-    floor = _floor(hf, device, prompt_len, new_tokens)
+    floor, probe = _floor(hf, device, prompt_len, new_tokens)
     base = res["transformers generate (DynamicCache)"]
-    print(f"\n{'generator':46s} {'median s':>9s} {'tokens/s':>9s} {'speed vs transformers':>22s} {'x floor':>8s}")
+    print(f"\n{'generator':46s} {'median s':>9s} {'tokens/s':>9s} {'speed vs transformers':>22s} {'x floor':>8s} "
+          f"{'achieved':>10s} {'of probe':>8s}")
     out = {}
     for name, t in res.items():
         out[name] = timing.ratio(base, t)
+        gbps = roofline.achieved_bandwidth(hf, 1, prompt_len, new_tokens, t.median)
         print(f"{name:46s} {t.median:9.3f} {new_tokens / t.median:9.1f} {out[name]:21.2f}x "
-              f"{t.median / floor:7.1f}x   (spread {t.spread:.0%})")
+              f"{t.median / floor:7.1f}x {gbps / 1e9:6.2f} GB/s {gbps / probe:7.0%}   (spread {t.spread:.0%})")
     _print_compile_times(first_call, res, new_tokens)
     return out
 
@@ -95,19 +101,22 @@ def _print_compile_times(first_call, res, new_tokens) -> None:
     """Compile time apart from the steady state, and after how many tokens compiling pays off."""
     for name, first in first_call.items():
         eager, steady = res[_COMPILED[name]].median, res[name].median
-        n = static.break_even_tokens(first - steady, eager / new_tokens, steady / new_tokens)
+        compile_s = staticbench.compile_seconds(first, steady)
+        n = static.break_even_tokens(compile_s, eager / new_tokens, steady / new_tokens)
         pays = f"pays off after {n:,.0f} tokens" if n is not None else "never pays off here"
         print(f"{name}: first call {first:.1f} s (compilation included), steady {steady:.3f} s, so compiling "
-              f"took about {first - steady:.1f} s; against {_COMPILED[name]} it {pays}")
+              f"took about {compile_s:.1f} s (first call - steady); against {_COMPILED[name]} it {pays}")
 
 
-def _floor(hf, device, prompt_len: int, new_tokens: int) -> float:
-    """The least time the generation could take on this machine (chapter 7), measured once per run."""
+def _floor(hf, device, prompt_len: int, new_tokens: int) -> tuple[float, float]:
+    """The least time the generation could take on this machine (chapter 7), measured once per run,
+    and the read probe's bandwidth it uses."""
     m = roofline.machine(device, roofline.model_dtype(hf))
     floor = roofline.generation_floor(hf, 1, prompt_len, new_tokens, m["bandwidth"], m["flops"])
-    print(f"floor of this generation here: {floor:.3f} s (max of bytes / bandwidth and FLOPs / matmul rate "
-          "per step); 'x floor' = median / floor")
-    return floor
+    print(f"floor of this generation here: {floor:.3f} s (max of bytes / read bandwidth and FLOPs / matmul "
+          "rate per step); 'x floor' = median / floor; 'achieved' = bytes of the generation / median, "
+          "'of probe' = achieved / read-probe bandwidth")
+    return floor, m["bandwidth"]
 
 
 def main(argv=None) -> None:

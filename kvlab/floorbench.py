@@ -17,7 +17,7 @@ import os
 import sys
 
 import torch
-from tqdm.auto import tqdm
+from .progress import bar as tqdm   # no frozen bar in a page built unwatched
 
 from . import gpt2, harness, plots, roofline, timing
 from .generate import cached_generate, hf_greedy
@@ -95,17 +95,38 @@ def generators_vs_floor(hf, prompt_len: int, new_tokens: int, threads_list=(None
             where = f"{n} thread{'s' * (n > 1)}" if device.type == "cpu" else device.type
             rows.append(dict(model=getattr(hf, "kvlab_name", "?"), threads=n, where=where, generator=name,
                              per_token=t.median / new_tokens, floor_per_token=floor / new_tokens,
-                             ratio=t.median / floor, bandwidth=m["bandwidth"], flops=m["flops"]))
+                             ratio=t.median / floor, bandwidth=m["bandwidth"], flops=m["flops"],
+                             copy_bandwidth=m["copy_bandwidth"], timing=t,
+                             achieved=roofline.achieved_bandwidth(hf, 1, prompt_len, new_tokens, t.median)))
     return rows
 
 
 def print_rows(rows: list[dict]) -> None:
     print(f"{'model':14} {'where':>9} {'generator':24} {'ms/token':>9} {'floor ms':>9} "
-          f"{'measured/floor':>14}   (bandwidth, matmul rate at that thread count)")
+          f"{'measured/floor':>14} {'achieved':>10} {'of probe':>8}   (read probe, copy, matmul rate)")
     for r in rows:
         print(f"{r['model']:14} {r['where']:>9} {r['generator']:24} {r['per_token'] * 1e3:9.3f} "
-              f"{r['floor_per_token'] * 1e3:9.3f} {r['ratio']:13.1f}x   "
-              f"({r['bandwidth'] / 1e9:.1f} GB/s, {r['flops'] / 1e9:.0f} GFLOP/s)")
+              f"{r['floor_per_token'] * 1e3:9.3f} {r['ratio']:13.1f}x {r['achieved'] / 1e9:6.1f} GB/s "
+              f"{r['achieved'] / r['bandwidth']:7.0%}   ({r['bandwidth'] / 1e9:.1f} GB/s read, "
+              f"{r['copy_bandwidth'] / 1e9:.1f} copy, {r['flops'] / 1e9:.0f} GFLOP/s)")
+
+
+def closest_sentence(rows: list[dict], model: str, device) -> str:
+    """Which generator ran closest to the floor on ``model``, and whether the noise test (see
+    :mod:`kvlab.verdicts`) tells it from the runner-up at the same thread count."""
+    from . import verdicts
+
+    mine = sorted((r for r in rows if r["model"] == model), key=lambda r: r["ratio"])
+    best = mine[0]
+    line = (f"{model}: measured/floor from {best['ratio']:.1f}x to {mine[-1]['ratio']:.1f}x; "
+            f"closest to the floor: {best['generator']} at {best['where']}, {best['ratio']:.1f}x, "
+            f"streaming {best['achieved'] / 1e9:.1f} GB/s ({best['achieved'] / best['bandwidth']:.0%} of "
+            "the read probe)")
+    rival = next((r for r in mine[1:] if r["where"] == best["where"]), None)
+    if rival is None:
+        return line + "."
+    return line + "; against " + rival["generator"] + ": " + verdicts.faster(
+        best["timing"], rival["timing"], device, best["generator"], rival["generator"]) + "."
 
 
 def plot_rows(rows: list[dict], ax) -> None:
@@ -284,31 +305,60 @@ def shape_sizes_that_fit(device, quick: bool) -> list[str]:
     return ["gpt2"]
 
 
-def model_table(names, bandwidth: float, flops: float, dtype=torch.float32, seq_len: int = 0) -> list[dict]:
-    """Per model: weight bytes, the batch-1 floor and what bounds it, the critical batch, and the
-    context (per row) at which the cache outweighs the weights."""
+CONTEXTS = (0, 128, 256, 512, 1000, 2048, 4096, 8192, 32768)
+
+
+def model_table(names, bandwidth: float, flops: float, dtype=torch.float32,
+                contexts=CONTEXTS) -> list[dict]:
+    """Per model: weight bytes, the share of them a step reads only rows of, the batch-1 floor at
+    zero context and what bounds it, the critical batch at each of ``contexts`` (positions per row;
+    ``None``: never compute-bound there), the per-row attention intensity, and the context at which
+    one row's cache outweighs the weights."""
     from .memory import context_length
 
     rows = []
     for name in names:
         m = roofline.meta_model(name, dtype)
-        t = roofline.step_terms(m, 1, seq_len, bandwidth, flops)
-        rows.append(dict(name=name, weights=t["weight_bytes"], floor=t["floor"], bound=t["bound"],
-                         intensity=roofline.arithmetic_intensity(m, 1, seq_len),
-                         critical=roofline.critical_batch(m, seq_len, bandwidth, flops),
-                         crossover=roofline.crossover_length(m), context=context_length(m.config),
-                         kv=roofline.cache_read_bytes(m, 1, 1)))
+        t = roofline.step_terms(m, 1, 0, bandwidth, flops)
+        n_ctx = context_length(m.config)
+        fits = [c for c in contexts if not n_ctx or c < n_ctx]
+        rows.append(dict(name=name, weights=roofline.weight_bytes(m), lookup=roofline.lookup_share(m),
+                         floor=t["floor"], bound=t["bound"], intensity=roofline.arithmetic_intensity(m, 1, 0),
+                         critical=dict(zip(fits, roofline.critical_batch_curve(m, fits, bandwidth, flops))),
+                         attention=roofline.attention_intensity(m), crossover=roofline.crossover_length(m),
+                         context=n_ctx, kv=roofline.cache_read_bytes(m, 1, 1)))
     return rows
 
 
-def print_model_table(rows) -> None:
-    print(f"{'model':14} {'weights':>10} {'floor, batch 1':>14} {'FLOP/byte':>9} {'critical batch':>14} "
-          f"{'cache = weights at':>19} {'context':>8}")
+def _crit_cell(row, context) -> str:
+    if context not in row["critical"]:
+        return "-"
+    b = row["critical"][context]
+    return f"{b:,}" if b else "never"
+
+
+def print_model_table(rows, contexts=(0, 512, 1000, 4096, 32768)) -> None:
+    """The table, with the critical batch at a few context lengths ('never': no batch is
+    compute-bound there; '-': beyond the model's context)."""
+    heads = "".join(f"{f'at {c:,}':>10}" for c in contexts)
+    print(f"{'model':13} {'weights':>9} {'rows-only':>9} {'floor, B=1':>10} {'FLOP/B, B=1':>11} "
+          f"{'attn FLOP/B':>11}  critical batch {heads}")
     for r in rows:
-        crit = f"{r['critical']:,}" if r["critical"] else "never"
-        beyond = " (beyond)" if r["context"] and r["crossover"] > r["context"] else ""
-        print(f"{r['name']:14} {r['weights'] / 1e9:8.2f} GB {r['floor'] * 1e3:11.2f} ms {r['intensity']:9.2f} "
-              f"{crit:>14} {r['crossover']:>12,} tokens{beyond} {r['context'] or 0:>8,}")
+        cells = "".join(f"{_crit_cell(r, c):>10}" for c in contexts)
+        print(f"{r['name']:13} {r['weights'] / 1e9:6.2f} GB {r['lookup']:9.1%} {r['floor'] * 1e3:7.2f} ms "
+              f"{r['intensity']:11.2f} {r['attention']:11.2f}  {'':14} {cells}")
+
+
+def plot_critical_batch(rows, ax, ridge: float) -> None:
+    """The critical batch against the context, one curve per model of :func:`model_table`; a curve
+    ends where no batch is compute-bound any more."""
+    for r in rows:
+        pts = [(c, b) for c, b in r["critical"].items() if b]
+        if pts:
+            ax.plot([max(c, 1) for c, _ in pts], [b for _, b in pts], "o-", ms=3, label=r["name"])
+    ax.set(xscale="log", yscale="log", xlabel="cached positions per row (0 drawn at 1)",
+           ylabel="critical batch", title=f"batch at which a step turns compute-bound (ridge {ridge:.1f})")
+    ax.legend(fontsize=7)
 
 
 # Published figures of the articles' GPU (NVIDIA's RTX 3090 specifications): memory bandwidth and
@@ -336,17 +386,94 @@ def article_rows(prompt_len: int = 8) -> list[dict]:
     return rows
 
 
-def quant_rows(name: str, batch_size: int, seq_len: int, bandwidth: float, flops: float) -> list[dict]:
+def quant_rows(name: str, batch_size: int, seq_len: int, bandwidth: float, flops: float,
+               half_flops: float | None = None) -> list[dict]:
     """The floor of one step under weight and cache formats (bytes per element; int4 = 0.5), without
-    the scales a real quantized format stores beside the values (a few percent)."""
+    the scales a real quantized format stores beside the values (a few percent). The fp32 row
+    computes at ``flops`` (the fp32 rate); every other row dequantizes to half precision and
+    computes at ``half_flops`` (the rate :func:`kvlab.roofline.arithmetic_rate` measured for it)."""
     m = roofline.meta_model(name, torch.float16)
     formats = [("fp32 weights, fp32 cache", 4, 4), ("fp16 weights, fp16 cache", 2, 2),
                ("fp16 weights, int8 cache", 2, 1), ("fp16 weights, int4 cache", 2, 0.5),
                ("int8 weights, int8 cache", 1, 1), ("int4 weights, int4 cache", 0.5, 0.5)]
     rows = []
     for label, w, c in formats:
-        t = roofline.step_terms(m, batch_size, seq_len, bandwidth, flops, cache_dtype=c, weights_dtype=w)
-        rows.append(dict(format=label, **t))
+        rate = flops if w == 4 else (half_flops or flops)
+        t = roofline.step_terms(m, batch_size, seq_len, bandwidth, rate, cache_dtype=c, weights_dtype=w)
+        rows.append(dict(format=label, rate=rate, **t))
+    return rows
+
+
+def quant_sentence(rows: list[dict]) -> str:
+    """What the formats change on this machine, computed: which rows are bound by compute, and why
+    their ratios read 1.00 when they are."""
+    compute = [r["format"] for r in rows[1:] if r["bound"] == "compute"]
+    if not compute:
+        return ("Every half-precision row is bound by memory on this machine: each byte a format saves "
+                "comes off the floor.")
+    why = ""
+    if rows[1]["bound"] == "compute":
+        why = (" The fp16 row is itself bound by compute, and the FLOPs are the same in every format, "
+               "so every compute-bound row has the fp16 row's floor: its 'x vs fp16' reads 1.00.")
+    return (f"{len(compute)} of the {len(rows) - 1} half-precision rows are bound by compute here "
+            f"({'; '.join(compute)}): this machine's arithmetic at {rows[1]['rate'] / 1e9:.0f} GFLOP/s, "
+            "not its memory, sets their floor, so fewer bytes no longer lower it." + why)
+
+
+def roofline_points(rows: list[dict], model) -> list[dict]:
+    """Measured sweep rows (:func:`sweep`) as roofline points: intensity (FLOPs per byte of the
+    step) and achieved FLOP/s (FLOPs / measured seconds)."""
+    out = []
+    for r in rows:
+        f = roofline.decode_step_flops(model, r["batch"], r["seq"])
+        out.append(dict(batch=r["batch"], seq=r["seq"], x=f / roofline.decode_step_bytes(model, r["batch"], r["seq"]),
+                        y=f / r["measured"]))
+    return out
+
+
+def plot_roofline(ax, bandwidth: float, flops: float, series: dict, title: str) -> None:
+    """The roofline of the measured machine (min(intensity x bandwidth, flops)), its ridge, and the
+    measured steps: ``series`` maps a label to :func:`roofline_points` (each point marked by batch)."""
+    xs = [p["x"] for pts in series.values() for p in pts] + [flops / bandwidth]
+    lo, hi = min(xs) / 2, max(xs) * 4
+    grid = [lo * (hi / lo) ** (i / 200) for i in range(201)]
+    ax.plot(grid, [min(x * bandwidth, flops) for x in grid], "k-", lw=2, label="roofline (read probe, matmul)")
+    ax.axvline(flops / bandwidth, color="0.6", ls=":", label=f"ridge {flops / bandwidth:.1f} FLOP/byte")
+    for label, pts in series.items():
+        line, = ax.plot([p["x"] for p in pts], [p["y"] for p in pts], "o-", ms=4, label=label)
+        for p in pts:
+            ax.annotate(f"B={p['batch']}", (p["x"], p["y"]), fontsize=6, color=line.get_color(),
+                        xytext=(2, -8), textcoords="offset points")
+    ax.set(xscale="log", yscale="log", xlabel="arithmetic intensity (FLOPs per byte of the step)",
+           ylabel="FLOP/s (measured steps: FLOPs / time)", title=title)
+    ax.legend(fontsize=7, loc="lower right")
+
+
+def throughput_sentence(rows: list[dict]) -> str:
+    """How throughput grew from the first to the last batch of a sweep, against proportional growth
+    and against what the roofline allows: computed, never typed."""
+    first, last = rows[0], rows[-1]
+    gain = last["batch"] / last["measured"] * first["measured"] / first["batch"]
+    allowed = last["batch"] / last["floor"] * first["floor"] / first["batch"]
+    ideal = last["batch"] / first["batch"]
+    return (f"Measured throughput at batch {last['batch']} was {gain:.1f}x that of batch {first['batch']} "
+            f"({gain / ideal:.0%} of proportional growth, {ideal:g}x); the roofline allows {allowed:.1f}x.")
+
+
+# Published figures (NVIDIA's H200 SXM datasheet): memory bandwidth, dense fp32 and dense bf16
+# tensor-core rates. Stated, not measured: the book's builds never ran on one.
+H200 = {"name": "H200 (published figures)", "bandwidth": 4.8e12, "fp32": 67e12, "bf16": 989e12}
+
+
+def dtype_rows(names, bandwidth: float, rates: dict, contexts=(0, 512, 2048)) -> list[dict]:
+    """Ridge and critical batch per model when the same machine computes in each dtype of ``rates``
+    ({dtype: FLOP/s}, the model stored in that dtype): computed from the same functions."""
+    rows = []
+    for dtype, rate in rates.items():
+        for name in names:
+            m = roofline.meta_model(name, dtype)
+            rows.append(dict(name=name, dtype=str(dtype).removeprefix("torch."), ridge=rate / bandwidth,
+                             critical=dict(zip(contexts, roofline.critical_batch_curve(m, contexts, bandwidth, rate)))))
     return rows
 
 
@@ -363,3 +490,17 @@ def knee_sentence(measured, floor) -> str:
     order = "later" if measured > floor else "earlier"
     return (f"The measured step reaches 1.5x its batch-1 time at batch {measured}, {order} than the floor "
             f"(batch {floor}).")
+
+
+def recorded_sentence(what: str = "Recorded runs on GPUs") -> str:
+    """Whether any GPU run is committed under ``results/``, in words: the chapters point at the
+    results page only for what is really there."""
+    from . import results
+
+    gpus = sorted({results.machine(r) for r in results.load_all()
+                   if r["provenance"]["device"].get("device") == "cuda"})
+    if not gpus:
+        return (f"{what}: none is committed yet. The results page will render each one once it is "
+                "(python -m kvlab.report --device cuda); until then every number here comes from the "
+                "machine that built this page.")
+    return f"{what} ({', '.join(gpus)}) are on the results page, each labelled with its device and date."

@@ -361,8 +361,13 @@ def describe(model) -> str:
 
 
 def banner(model, device=None) -> str:
-    """Print (and return) what produced this notebook's numbers: device, model, versions."""
+    """Show (and return) what produced this notebook's numbers: device, model, versions.
+
+    In a notebook: one line, the details folded under it (HTML ``<details>``); elsewhere printed."""
+    import html
     import transformers
+
+    from .tables import _in_notebook
 
     device = device or next(model.parameters()).device
     lines = [
@@ -372,7 +377,13 @@ def banner(model, device=None) -> str:
         f"python {platform.python_version()}",
     ]
     text = "\n".join(lines)
-    print(text)
+    if not _in_notebook():
+        print(text)
+        return text
+    from IPython.display import HTML, display
+    summary = f"Produced by {stamp(model, device)}"
+    display(HTML(f'<details class="kvlab-banner"><summary>{html.escape(summary)}</summary>'
+                 f"<pre>{html.escape(text)}</pre></details>"))
     return text
 
 

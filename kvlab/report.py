@@ -42,9 +42,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from tqdm.auto import tqdm
+from .progress import bar as tqdm   # no frozen bar in a page built unwatched
 
-from . import floorbench, gpt2, harness, models, timing
+from . import floorbench, gpt2, harness, models, staticbench, timing
 from .cli import at_least, check_writable, positive_seconds
 from .batching import generate_batch
 from .generate import cached_generate, hf_greedy, naive_generate
@@ -70,7 +70,7 @@ def plan(device: torch.device, quick: bool) -> dict:
         return dict(models=["kvlab-tiny"], Ns=[8, 16], positions=[8, 128], new_tokens=8,
                     batch_sizes=[1, 4], batch_new=6, floor_batches=[1, 4], floor_seq=[64],
                     compiled_models=["kvlab-tiny"], compile_backend="eager", repeats=2, budget=40,
-                    probe=dict(size_mib=32, n=256, repeats=3))
+                    probe=dict(n=256, repeats=3))
     if device.type == "cuda":
         return dict(models=["kvlab-tiny", "shape:gpt2", "shape:gpt2-medium"],
                     Ns=[16, 64, 128, 256, 512], positions=[16, 128, 256, 512, 768, 1000],
@@ -269,26 +269,36 @@ def floor(run: Run) -> dict:
     from . import roofline
 
     dtype = next(run.model(run.plan["models"][0])[1].parameters()).dtype
-    probe = run.plan.get("probe", {})              # smaller probes in quick mode, else the defaults
-    bw = roofline.measure_bandwidth(run.device, size_mib=probe.get("size_mib"),
-                                    repeats=probe.get("repeats", 7), verbose=False)
-    fl = roofline.measure_matmul_flops(run.device, dtype, n=probe.get("n"), repeats=probe.get("repeats", 5),
-                                       verbose=False)
-    cache_limit = 16 * 2**30 if run.device.type == "cuda" else 2**30     # skip what would not fit well
+    probe = run.plan.get("probe", {})              # fewer repeats and a smaller matmul in quick mode
+    reps = probe.get("repeats", 7)                 # the bandwidth buffer is always sized from the LLC
+    bw = roofline.measure_bandwidth(run.device, repeats=reps, verbose=False, kind="read")
+    copy = roofline.measure_bandwidth(run.device, repeats=reps, verbose=False, kind="copy")
+    fl = roofline.measure_matmul_flops(run.device, dtype, n=probe.get("n"), repeats=reps, verbose=False)
     rows = []
     for name in run.each_model():
         _, ours = run.model(name)
-        ctx, big_on_cpu = ours.config.n_positions, run.device.type == "cpu" and ours.config.n_embd > 512
-        grid = [(b, s) for s in run.plan["floor_seq"] if s < ctx for b in run.plan["floor_batches"]
-                if not (big_on_cpu and b > 16) and roofline.cache_read_bytes(ours, b, s + 1) <= cache_limit]
-        for b, s in run.points(grid, f"floor {name}"):
+        for b, s in run.points(_floor_grid(run, ours), f"floor {name}"):
             t = run.compare({"step": _our_step(ours, run.prompt(name, 1, b), s)})["step"]
             terms = roofline.step_terms(ours, b, s, bw, fl)
+            achieved = roofline.decode_step_bytes(ours, b, s) / t.median
             rows.append(dict(model=name, batch=b, seq_len=s, measured_ms=_num(t.median * 1e3),
                              floor_ms=_num(terms["floor"] * 1e3), vs_floor=_num(t.median / terms["floor"], 4),
-                             bound=terms["bound"]))
+                             bound=terms["bound"], achieved_GBps=_num(achieved / 1e9, 4),
+                             of_read_probe=_num(achieved / bw, 4)))
     return dict(generator="hand-built GPT-2, preallocated cache", dtype=str(dtype).removeprefix("torch."),
-                bandwidth_GBps=_num(bw / 1e9, 4), matmul_GFLOPs=_num(fl / 1e9, 4), rows=rows)
+                bandwidth_GBps=_num(bw / 1e9, 4), copy_GBps=_num(copy / 1e9, 4),
+                bandwidth_probe="read-only reduction over 4x the last-level cache",
+                matmul_GFLOPs=_num(fl / 1e9, 4), rows=rows)
+
+
+def _floor_grid(run: Run, ours) -> list[tuple[int, int]]:
+    """(batch, positions) points of the floor section that fit this device's budget."""
+    from . import roofline
+
+    cache_limit = 16 * 2**30 if run.device.type == "cuda" else 2**30     # skip what would not fit well
+    ctx, big_on_cpu = ours.config.n_positions, run.device.type == "cpu" and ours.config.n_embd > 512
+    return [(b, s) for s in run.plan["floor_seq"] if s < ctx for b in run.plan["floor_batches"]
+            if not (big_on_cpu and b > 16) and roofline.cache_read_bytes(ours, b, s + 1) <= cache_limit]
 
 
 def compiled(run: Run) -> dict:
@@ -306,13 +316,14 @@ def compiled(run: Run) -> dict:
         comp = StaticDecoder(ours, max_len=8 + n_new).compile(backend=backend)
         t0 = time.perf_counter()
         comp.generate(prompt, n_new)                      # the first call compiles
-        compile_s = time.perf_counter() - t0
+        compile_s = time.perf_counter() - t0             # the first call; compile_seconds() below
         fns = {"eager, preallocated cache": lambda: gpt2.generate(ours, prompt, n_new),
                "static cache, eager": lambda: static.generate(prompt, n_new),
                "static cache, compiled": lambda: comp.generate(prompt, n_new)}
         first_diff = harness.token_check(fns, "eager, preallocated cache")
         t = run.compare(fns, warmup=0)                    # the correctness pass was the warm-up
         base = t["eager, preallocated cache"]
+        compile_s = staticbench.compile_seconds(compile_s, t["static cache, compiled"].median)
         for k, tk in t.items():
             rows.append(dict(model=name, variant=k, new_tokens=n_new, median_s=_num(tk.median),
                              tokens_per_s=_num(n_new / tk.median, 4),

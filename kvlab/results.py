@@ -194,8 +194,12 @@ def figure(result, fresh: bool = False):
     names = _plottable(result)
     if not names:
         return None
-    fig, axes = plt.subplots(1, len(names), figsize=(4.2 * len(names), 3.6), squeeze=False)
-    for ax, name in zip(axes[0], names):
+    ncols = min(2, len(names))                 # two panels a row: legible in the book's column
+    nrows = -(-len(names) // ncols)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(4.6 * ncols, 3.4 * nrows), squeeze=False)
+    for ax in axes.flat[len(names):]:
+        fig.delaxes(ax)
+    for ax, name in zip(axes.flat, names):
         x, ys, split, xlabel, ylabel, log2 = PLOTS[name]
         rows = result["sections"][name]["rows"]
         groups: dict[tuple, list] = {}
@@ -215,8 +219,8 @@ def figure(result, fresh: bool = False):
         ax.title.set_fontsize(9)
         ax.set_ylim(bottom=0)
         ax.legend(fontsize=7)
-    fig.text(0.005, 0.005, caption(result, fresh), fontsize=7, color="0.35", ha="left", va="bottom")
-    fig.tight_layout(rect=(0, 0.05, 1, 1))
+    fig.text(0.005, 0.005, caption(result, fresh), fontsize=7, color="0.35", ha="left", va="bottom", wrap=True)
+    fig.tight_layout(rect=(0, 0.06 / nrows, 1, 1))
     return fig
 
 

@@ -6,7 +6,8 @@ One greedy decode step of a batch of ``B`` sequences that already hold ``S`` cac
     + the cached keys and values of all B rows         (chapter 4's formula)
 
 and does about ``2 x B`` FLOPs per weight used in a matrix product, plus ``4 x B x layers x heads x
-head_dim x S`` in attention (the scores ``q.k`` and the weighted sum of the values). A machine that
+head_dim x S`` in attention: for every cached position and query head, ``2 x head_dim`` for the score
+``q.k`` and ``2 x head_dim`` for adding that position's value into the output. A machine that
 moves ``bandwidth`` bytes/s and computes ``flops`` FLOP/s cannot do the step faster than
 
     step_time_floor = max(bytes / bandwidth, FLOPs / flops)
@@ -19,14 +20,20 @@ moves ``bandwidth`` bytes/s and computes ``flops`` FLOP/s cannot do the step fas
 hand-built :class:`kvlab.gpt2.GPT2`, or a shape-only model on the ``meta`` device (:func:`meta_model`),
 which costs nothing to build, so GPT-2 XL and the 70B open models are evaluated for free.
 
-The book's convention for the bytes: every parameter tensor once (a tied LM head is the token
-embedding, read once), the position table counted whole although a step reads one row of it
-(it is small), biases and norms included; the cache at the model's dtype.
+The book's convention for the bytes: every parameter tensor once, biases and norms included, except
+the look-up tables a step only indexes: of an untied input embedding and of a learned position
+table a step reads the ``B`` rows it looks up, not the table. The LM head is read whole (every row
+of it makes a logit), and a tied LM head *is* the token embedding, so that table is read whole, once.
+The cache at the model's dtype; the keys and values the step writes are left out (one position).
+
+    step_bytes / step_flops / forward_floor(model, tokens, logit_rows, ...)   # any forward, e.g. a
+        prefill chunk: N tokens through the network, only R rows of them through the LM head
 """
 
 from __future__ import annotations
 
 import functools
+import math
 import statistics
 
 import torch
@@ -77,11 +84,41 @@ def _lm_head(model) -> torch.Tensor:
     raise ValueError(f"cannot find the LM head of {type(model).__name__}")
 
 
+def _lookup_tables(model) -> list[torch.Tensor]:
+    """The tables a step only indexes (every ``nn.Embedding``: the input embedding, a learned
+    position table), except a tied LM head, which is read in full to make the logits."""
+    head, found = _lm_head(model), []
+    for m in model.modules():
+        if isinstance(m, torch.nn.Embedding) and m.weight is not head and all(m.weight is not t for t in found):
+            found.append(m.weight)
+    return found
+
+
+def lookup_bytes(model) -> int:
+    """Bytes of the look-up tables (whole): what the convention replaces by the rows a step reads."""
+    return sum(t.numel() * t.element_size() for t in _lookup_tables(model))
+
+
+def lookup_share(model) -> float:
+    """Share of the weight bytes held in look-up tables a step reads only ``B`` rows of (an untied
+    input embedding, a learned position table). Llama-3.1-8B's ``embed_tokens``: 6.5%."""
+    return lookup_bytes(model) / weight_bytes(model)
+
+
 def position_table_share(model) -> float:
-    """Share of the weight bytes in a learned position table (``wpe``), which a step reads one row
-    of although the book's convention counts it whole; 0 for rotary models, which have none."""
+    """Share of the weight bytes in a learned position table (``wpe``); 0 for rotary models."""
     table = next((m.weight for name, m in model.named_modules() if name.split(".")[-1] == "wpe"), None)
     return 0.0 if table is None else table.numel() * table.element_size() / weight_bytes(model)
+
+
+def weight_read_bytes(model, rows: int) -> int:
+    """Weight bytes a forward of ``rows`` tokens reads: every tensor once, but only ``rows`` rows of
+    each look-up table (one gathered row per token, a repeated token counted again: the count
+    stays linear in the batch, which :func:`critical_batch` relies on)."""
+    rows = check_count(rows, "rows")
+    tables = _lookup_tables(model)
+    rows_read = sum(rows * t[0].numel() * t.element_size() for t in tables)
+    return weight_bytes(model) - lookup_bytes(model) + rows_read
 
 
 def matmul_weights(model) -> int:
@@ -109,19 +146,63 @@ def cache_read_bytes(model, batch_size: int, seq_len: int, dtype=None) -> int:
     return kv_cache_bytes(_config(model), seq_len, batch_size, dtype or model_dtype(model))
 
 
+def _per_token_kv(model) -> int:
+    return cache_read_bytes(model, 1, 1)
+
+
+def step_bytes(model, tokens: int, logit_rows: int, cached: int) -> int:
+    """Bytes any forward step reads: ``tokens`` new tokens through the network (all rows together),
+    ``cached`` key/value positions read from the cache (summed over rows). The LM head is read whole
+    when ``logit_rows`` > 0 and not at all when no row asks for logits (a prefill chunk that ends
+    inside the prompt)."""
+    tokens, logit_rows, cached = (check_count(tokens, "tokens"), check_count(logit_rows, "logit_rows"),
+                                  check_count(cached, "cached"))
+    if logit_rows > tokens:
+        raise ValueError(f"logit_rows ({logit_rows}) cannot exceed tokens ({tokens})")
+    head = _lm_head(model)
+    skip_head = 0 if logit_rows else head.numel() * head.element_size()
+    return weight_read_bytes(model, tokens) - skip_head + cached * _per_token_kv(model)
+
+
+def step_flops(model, tokens: int, logit_rows: int, attended: int) -> int:
+    """FLOPs of any forward step: ``2 x tokens`` per weight of every matrix product but the LM head,
+    ``2 x logit_rows`` per LM-head weight (only rows that produce logits go through it), and
+    ``4 x head_dim`` per (query head, key position) pair scored: ``attended`` pairs per layer and
+    query head, summed over the step's tokens."""
+    tokens, logit_rows, attended = (check_count(tokens, "tokens"), check_count(logit_rows, "logit_rows"),
+                                    check_count(attended, "attended"))
+    if logit_rows > tokens:
+        raise ValueError(f"logit_rows ({logit_rows}) cannot exceed tokens ({tokens})")
+    cfg = _config(model)
+    n_layer, _, head_dim = kv_dims(cfg)
+    n_head = config_field(cfg, "num_attention_heads", "n_head")      # every QUERY head scores the keys
+    head = _lm_head(model).numel()
+    return (2 * tokens * (matmul_weights(model) - head) + 2 * logit_rows * head
+            + 4 * n_layer * n_head * head_dim * attended)
+
+
+def forward_floor(model, tokens: int, logit_rows: int, cached: int, attended: int, bandwidth: float,
+                  flops: float) -> float:
+    """Floor of any forward step (a prefill, a decode step, a mixed batch of both): the larger of
+    :func:`step_bytes` / bandwidth and :func:`step_flops` / flops. A prefill of ``T`` prompt tokens
+    from empty is ``tokens=T, logit_rows=1, cached=0, attended=T(T-1)/2`` (each token scores the
+    earlier ones, in the decode step's convention of ``S`` cached positions)."""
+    bandwidth, flops = _rate(bandwidth, "bandwidth (bytes/s)"), _rate(flops, "flops (FLOP/s)")
+    return max(step_bytes(model, tokens, logit_rows, cached) / bandwidth,
+               step_flops(model, tokens, logit_rows, attended) / flops)
+
+
 def decode_step_bytes(model, batch_size: int, seq_len: int) -> int:
-    """Bytes one decode step reads: every weight once + the cache of ``seq_len`` positions per row."""
+    """Bytes one decode step reads: every weight once (``B`` rows of each look-up table) + the cache
+    of ``seq_len`` positions per row."""
     batch_size, seq_len = check_count(batch_size, "batch_size"), check_count(seq_len, "seq_len")
-    return weight_bytes(model) + cache_read_bytes(model, batch_size, seq_len)
+    return step_bytes(model, batch_size, batch_size, batch_size * seq_len)
 
 
 def decode_step_flops(model, batch_size: int, seq_len: int) -> int:
     """FLOPs of one decode step: ``2 x B x matmul weights + 4 x B x layers x heads x head_dim x S``."""
     batch_size, seq_len = check_count(batch_size, "batch_size"), check_count(seq_len, "seq_len")
-    cfg = _config(model)
-    n_layer, _, head_dim = kv_dims(cfg)
-    n_head = config_field(cfg, "num_attention_heads", "n_head")      # every QUERY head scores the keys
-    return 2 * batch_size * matmul_weights(model) + 4 * batch_size * n_layer * n_head * head_dim * seq_len
+    return step_flops(model, batch_size, batch_size, batch_size * seq_len)
 
 
 def _rate(value, what: str) -> float:
@@ -162,9 +243,9 @@ def step_terms(model, batch_size: int, seq_len: int, bandwidth: float, flops: fl
     bounds the step. ``cache_dtype`` / ``weights_dtype`` (a dtype, or bytes per element such as 0.5
     for int4) re-price the bytes for a quantized format; the FLOPs stay the same."""
     bandwidth, flops = _rate(bandwidth, "bandwidth (bytes/s)"), _rate(flops, "flops (FLOP/s)")
-    w = weight_bytes(model)
+    w = weight_read_bytes(model, batch_size)
     if weights_dtype is not None:
-        w = sum(p.numel() for p in _params(model)) * _per_element(weights_dtype)
+        w = w / weight_bytes(model) * sum(p.numel() for p in _params(model)) * _per_element(weights_dtype)
     c = cache_read_bytes(model, batch_size, seq_len)
     if cache_dtype is not None:
         c = c / bytes_per_element(model_dtype(model)) * _per_element(cache_dtype)
@@ -205,23 +286,63 @@ def ridge_point(bandwidth: float, flops: float) -> float:
     return _rate(flops, "flops") / _rate(bandwidth, "bandwidth")
 
 
-def critical_batch(model, seq_len: int, bandwidth: float, flops: float, limit: int = 1 << 20) -> int | None:
-    """The smallest batch whose step is compute-bound (FLOPs time >= bytes time), ``None`` if none up
-    to ``limit`` (the cache grows with the batch as fast as the FLOPs do at long contexts)."""
-    lo, hi = 1, _whole(limit, "limit (the largest batch to try)", 1)
-    bound = lambda b: step_terms(model, b, seq_len, bandwidth, flops)["bound"] == "compute"
-    if not bound(hi):
+def critical_batch(model, seq_len: int, bandwidth: float, flops: float, limit: int = 1 << 30) -> int | None:
+    """The smallest batch whose step is bound by compute (FLOPs time > bytes time) at ``seq_len``
+    cached positions per row; ``None`` if there is none (or none up to ``limit``).
+
+    Both counts are linear in the batch: bytes = ``W + B x b``, FLOPs = ``B x f``, so the batch is
+    ``W / bandwidth / (f / flops - b / bandwidth)``; when each row's own bytes take longer than its
+    FLOPs (``b / bandwidth >= f / flops``: long contexts, whose attention reads the cache at a
+    constant :func:`attention_intensity`) no batch is compute-bound."""
+    bandwidth, flops = _rate(bandwidth, "bandwidth"), _rate(flops, "flops")
+    limit = _whole(limit, "limit (the largest batch to try)", 1)
+    w = decode_step_bytes(model, 1, seq_len)
+    b, f = decode_step_bytes(model, 2, seq_len) - w, decode_step_flops(model, 1, seq_len)
+    w -= b                                         # the part read once whatever the batch
+    gain = f / flops - b / bandwidth               # seconds of compute over bytes added per row
+    if gain <= 0:
         return None
-    while lo < hi:                       # the compute share grows with the batch: bisect
-        mid = (lo + hi) // 2
-        lo, hi = (mid + 1, hi) if not bound(mid) else (lo, mid)
-    return lo
+    B = max(1, math.floor(w / bandwidth / gain))
+    bound = lambda n: step_terms(model, n, seq_len, bandwidth, flops)["bound"] == "compute"
+    while B > 1 and bound(B - 1):                  # the closed form, settled on the exact test
+        B -= 1
+    while not bound(B):
+        B += 1
+    return B if B <= limit else None
+
+
+def critical_batch_curve(model, contexts, bandwidth: float, flops: float) -> list[int | None]:
+    """:func:`critical_batch` at each context length of ``contexts`` (``None``: never compute-bound)."""
+    return [critical_batch(model, s, bandwidth, flops) for s in contexts]
+
+
+def attention_intensity(model, dtype=None) -> float:
+    """FLOPs per byte of the attention over the cache, per row: ``4 x H_q x d`` FLOPs for ``2 x H_kv
+    x d x element size`` bytes per position, that is ``2 x H_q / (H_kv x element size)``. It does not
+    depend on the batch (every row reads its own cache) nor on the context: below the ridge, the
+    attention of long contexts is bound by memory at any batch. GQA raises it by ``H_q / H_kv``."""
+    cfg = _config(model)
+    _, n_kv, _ = kv_dims(cfg)
+    n_head = config_field(cfg, "num_attention_heads", "n_head")
+    return 2 * n_head / (n_kv * _per_element(dtype or model_dtype(model)))
 
 
 def crossover_length(model, dtype=None) -> int:
-    """The context length (per row) at which the cache a step reads outweighs the weights."""
+    """The context length (per row, batch 1) at which the cache a step reads outweighs the weights."""
     per_token = cache_read_bytes(model, 1, 1, dtype)
-    return -(-weight_bytes(model) // per_token)
+    return -(-weight_read_bytes(model, 1) // per_token)
+
+
+def generation_bytes(model, batch_size: int, prompt_len: int, new_tokens: int) -> int:
+    """Bytes a greedy generation reads in the decode convention: one step per new token, the
+    ``i``-th at ``prompt_len + i`` cached positions (the prefill priced as one step)."""
+    return sum(decode_step_bytes(model, batch_size, s) for s in range(prompt_len, prompt_len + new_tokens))
+
+
+def achieved_bandwidth(model, batch_size: int, prompt_len: int, new_tokens: int, seconds: float) -> float:
+    """Bytes/s a generation that took ``seconds`` streamed: :func:`generation_bytes` / seconds, the
+    figure gpt-fast reports, comparable across machines and with the read probe."""
+    return generation_bytes(model, batch_size, prompt_len, new_tokens) / _rate(seconds, "seconds")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -232,9 +353,6 @@ def meta_model(name_or_config, dtype=torch.float32):
     """A transformers model with the right shapes and no storage (``meta`` device): a GPT-2 size
     (``"gpt2"`` ... ``"gpt2-xl"``, optionally ``"shape:"``-prefixed), an open model of chapter 4's
     table by name, a dict of config fields with ``model_type``, or a transformers config."""
-    if not isinstance(name_or_config, (str, dict)) and not hasattr(name_or_config, "to_dict"):
-        raise ValueError(f"meta_model takes a model name, a dict of config fields or a transformers "
-                         f"config, got {type(name_or_config).__name__}")
     if isinstance(name_or_config, str):
         return _meta_by_name(name_or_config, as_dtype(dtype))
     return _meta_model(name_or_config, dtype)
@@ -306,32 +424,59 @@ def median_seconds(fn, device, repeats: int = 7, warmup: int = 2, threads: int |
     return statistics.median(timer.timeit(1).median for _ in range(repeats))
 
 
-def _default_copy_mib(device) -> int:
-    from .timing import QUICK
-    if torch.device(device).type == "cuda":
-        return 1024
-    return 64 if QUICK else 256       # well beyond any CPU's last-level cache
+def _default_probe_mib(device) -> int:
+    """Four times the last-level cache (at least 64 MiB): a probe that fits in the cache measures
+    the cache. On a GPU, four times its L2 and at least 1 GiB."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0) or 0
+        return max(1024, 4 * l2 // 2**20)
+    llc = cpu_cache_bytes() or 256 * 2**20           # unknown: assume a large one
+    return max(64, 4 * llc // 2**20)
+
+
+_PROBES = {   # kind -> (bytes moved per element of the buffer, what is timed)
+    "read": (1, "sum of"), "copy": (2, "copy of"), "gemv": (1, "matrix-vector product over"),
+}
+
+
+def _probe_fn(kind: str, src: torch.Tensor):
+    if kind == "read":
+        return lambda: src.sum()                       # reads every byte once, writes one number
+    if kind == "copy":
+        dst = torch.empty_like(src)
+        return lambda: dst.copy_(src)                  # read + write (plus, on a CPU without streaming
+    mat = src.view(-1, 4096)                           # stores, a read-for-ownership of dst)
+    vec = torch.ones(4096, dtype=src.dtype, device=src.device)
+    return lambda: mat @ vec
 
 
 def measure_bandwidth(device="cpu", size_mib: int | None = None, threads: int | None = None,
-                      repeats: int = 7, verbose: bool = True) -> float:
-    """Bytes/s a large tensor copy achieves (read + write bytes both counted), median of ``repeats``.
+                      repeats: int = 7, verbose: bool = True, kind: str = "read") -> float:
+    """Bytes/s streamed over a buffer several times the last-level cache, median of ``repeats``.
 
-    On a CPU the thread count is fixed (``threads``, else torch's current one) and printed: the
-    bandwidth one thread can pull is often far below what all cores can.
+    ``kind="read"`` (the floor's bandwidth): a reduction, which only reads, as a decode step reads
+    its weights and cache. ``"copy"``: a tensor copy, read and write bytes both counted; on a CPU
+    the write also costs a read-for-ownership the count leaves out, so it understates what a
+    read-only step can stream. ``"gemv"``: a float32 matrix-vector product, the BLAS kernel a batch-1
+    step runs. On a CPU the thread count is fixed (``threads``, else torch's current one) and printed.
     """
+    if kind not in _PROBES:
+        raise ValueError(f"kind must be one of {sorted(_PROBES)}, got {kind!r}")
     device = check_device(device)
     size_mib = None if size_mib is None else _whole(size_mib, "size_mib", 1)
     threads, repeats = None if threads is None else _whole(threads, "threads", 1), _whole(repeats, "repeats", 1)
     threads = _threads(device, threads)
-    n = (size_mib or _default_copy_mib(device)) * 2**20 // 4
-    src = torch.ones(n, dtype=torch.float32, device=device)
-    dst = torch.empty_like(src)
-    seconds = median_seconds(lambda: dst.copy_(src), device, repeats=repeats, threads=threads)
-    bw = 2 * src.numel() * src.element_size() / seconds
+    mib = size_mib or _default_probe_mib(device)
+    src = torch.ones(mib * 2**20 // 4 // 4096 * 4096, dtype=torch.float32, device=device)
+    seconds = median_seconds(_probe_fn(kind, src), device, repeats=repeats, threads=threads)
+    moved, what = _PROBES[kind]
+    bw = moved * src.numel() * src.element_size() / seconds
     if verbose:
         where = f"{threads} threads" if device.type == "cpu" else str(device)
-        print(f"bandwidth: {bw / 1e9:.1f} GB/s  (copy of {n * 4 / 2**20:.0f} MiB, {where})")
+        llc = cpu_cache_bytes() if device.type == "cpu" else None
+        note = " - fits in the last-level cache!" if llc and mib * 2**20 <= llc else ""
+        print(f"bandwidth ({kind}): {bw / 1e9:.1f} GB/s  ({what} {mib} MiB, {where}{note})")
     return bw
 
 
@@ -356,12 +501,34 @@ def measure_matmul_flops(device="cpu", dtype=torch.float32, n: int | None = None
     return rate
 
 
+HALF = (torch.float16, torch.bfloat16)
+
+
+def arithmetic_rate(device="cpu", dtype=torch.float32, threads: int | None = None,
+                    verbose: bool = True) -> tuple[float, torch.dtype]:
+    """(FLOP/s, dtype) of the matrix products of a model stored in ``dtype``: that dtype's rate for
+    float32; for a half-precision model the fastest of fp16, bf16 and fp32 on this device (a CPU
+    without native fp16 arithmetic multiplies in bf16 or fp32 instead; a GPU's tensor cores in the
+    half format). The dtype that does the arithmetic is returned and printed."""
+    dtype = as_dtype(dtype)
+    candidates = [dtype] if dtype not in HALF else [dtype, *(d for d in HALF if d != dtype), torch.float32]
+    rates = {d: measure_matmul_flops(device, d, threads=threads, verbose=verbose) for d in candidates}
+    best = max(rates, key=rates.get)
+    if verbose and len(rates) > 1:
+        print(f"  a {str(dtype).removeprefix('torch.')} model's arithmetic is priced at the "
+              f"{str(best).removeprefix('torch.')} rate, the fastest here")
+    return rates[best], best
+
+
 def machine(device="cpu", dtype=torch.float32, threads: int | None = None, verbose: bool = True) -> dict:
-    """Both numbers of the machine at once, with its ridge point (FLOPs per byte)."""
+    """The machine's numbers at once: the read probe's bandwidth (the floor's), the copy's beside it,
+    the matmul rate of the dtype doing the arithmetic (:func:`arithmetic_rate`) and the ridge point."""
     device, dtype = check_device(device), as_dtype(dtype)     # before the first measurement
-    bw = measure_bandwidth(device, threads=threads, verbose=verbose)
-    fl = measure_matmul_flops(device, dtype, threads=threads, verbose=verbose)
-    return {"bandwidth": bw, "flops": fl, "ridge": fl / bw, "threads": torch.get_num_threads()}
+    bw = measure_bandwidth(device, threads=threads, verbose=verbose, kind="read")
+    copy = measure_bandwidth(device, threads=threads, verbose=verbose, kind="copy")
+    fl, used = arithmetic_rate(device, dtype, threads=threads, verbose=verbose)
+    return {"bandwidth": bw, "copy_bandwidth": copy, "flops": fl, "flops_dtype": used,
+            "ridge": fl / bw, "threads": torch.get_num_threads()}
 
 
 def cpu_cache_bytes() -> int | None:

@@ -22,7 +22,7 @@ from typing import Callable
 import torch
 import torch.utils.benchmark as benchmark
 
-from tqdm.auto import tqdm
+from .progress import bar as tqdm   # no frozen bar in a page built unwatched
 
 
 #: ``KVLAB_QUICK=1`` (set by ``make test``) shrinks every measurement grid so the whole test suite

@@ -4,6 +4,8 @@ over the HTML served on localhost, as a reader sees it. For every page of _toc.y
 * it loads with no JavaScript error and no failed request, and asks nothing of the network (any
   request that leaves localhost is blocked and reported: the book must work offline);
 * it shows no traceback or error output (a lab's NotImplementedError stub is source: fine);
+* no output block or listing needs horizontal scrolling at the default width (1280 px), and no
+  progress bar was left in an output;
 * every figure loads (natural width > 0) and every equation is typeset by MathJax (no raw TeX);
 * a screenshot goes to _build/screenshots/ (kept by CI as an artefact).
 
@@ -108,8 +110,58 @@ PAGE_PROBE = r"""async () => {
   const errors = outputs.filter(o => o.matches('.traceback, .error') || o.querySelector('.traceback, .error')
       || /Traceback \(most recent call last\)|Error in callback/.test(o.textContent))
       .map(o => o.textContent.trim().slice(0, 120));
-  return {images: main.querySelectorAll('img').length, broken, maths: maths.length, untypeset, raw, errors};
+  // nothing a reader needs behind a horizontal scroll bar: any block of the page that scrolls
+  // sideways (outputs, listings, tables in their scrollable containers), or that reaches past the
+  // text column
+  const scrolls = [...main.querySelectorAll('*')].filter(b => b.clientWidth > 0
+      && b.scrollWidth > b.clientWidth + 2 && /auto|scroll/.test(getComputedStyle(b).overflowX))
+      .map(b => b.textContent.trim().split('\n')[0].slice(0, 80));
+  const column = main.querySelector('article') || main;
+  const right = column.getBoundingClientRect().right;
+  const wide = [...column.querySelectorAll('.cell_output, .cell_input, table, pre, img')].filter(b =>
+      b.getBoundingClientRect().right > right + 2)
+      .map(b => 'past the column: ' + (b.textContent || b.getAttribute('src') || '').trim().slice(0, 80));
+  // a progress bar left in a page (tqdm's text "45%|####  | 9/20 [00:01<...]"), frozen where the build left it
+  const bars = outputs.filter(o => PROGRESS_BAR.test(o.textContent)).map(o => o.textContent.trim().slice(0, 80));
+  return {images: main.querySelectorAll('img').length, broken, maths: maths.length, untypeset, raw, errors,
+          scrolls: [...new Set(scrolls.concat(wide))], bars};
 }"""
+
+# tqdm's text: a percentage, a bar between pipes, a count (JavaScript regex; also used in Python)
+PROGRESS_BAR_RE = r"\d{1,3}%\|[^|\n]{0,120}\|\s*\d+(\.\d+)?[kMG]?/\d+(\.\d+)?[kMG]?\s*\[\d"
+PAGE_PROBE = PAGE_PROBE.replace("PROGRESS_BAR", f"new RegExp({json.dumps(PROGRESS_BAR_RE)})")
+
+
+# Pages the probe must fail (and one it must pass), checked before the book: a check that cannot fail
+# is no check. Widths as in the book's column.
+_SELF_TEST = {
+    "wide": '<main style="width:600px"><div class="cell_output"><pre style="white-space:pre;overflow:auto">'
+            + "x " * 400 + "</pre></div></main>",
+    "table": '<main style="width:600px"><article><div style="overflow-x:auto"><table><tr>'
+             + "<td style='white-space:nowrap'>a wide cell</td>" * 40 + "</tr></table></div></article></main>",
+    "bar": '<main><div class="cell_output"><div class="output"><pre>timing rounds:   0%|          | 0/3 '
+           "[00:00&lt;?, ?it/s]</pre></div></div></main>",
+    "clean": '<main style="width:600px"><div class="cell_output"><pre style="white-space:pre-wrap">'
+             + "x " * 400 + "</pre></div></main>",
+}
+
+
+def self_test(page) -> list[str]:
+    """The probe reports a wide output block and a frozen progress bar, and nothing on a clean page."""
+    found = {}
+    for name, body in _SELF_TEST.items():
+        page.set_content(f"<html><body>{body}</body></html>")
+        found[name] = page.evaluate(PAGE_PROBE)
+    problems = []
+    if not found["wide"]["scrolls"]:
+        problems.append("self-test: the probe missed an output block that needs horizontal scrolling")
+    if not found["table"]["scrolls"]:
+        problems.append("self-test: the probe missed a table in a container that scrolls sideways")
+    if not found["bar"]["bars"]:
+        problems.append("self-test: the probe missed a progress bar left in an output")
+    if found["clean"]["scrolls"] or found["clean"]["bars"]:
+        problems.append(f"self-test: the probe flagged a clean page: {found['clean']}")
+    return problems
 
 
 def check_page(page, base: str, name: str, shots: Path) -> tuple[list[str], dict]:
@@ -126,6 +178,8 @@ def check_page(page, base: str, name: str, shots: Path) -> tuple[list[str], dict
     problems += [f"equation not typeset: {t!r}" for t in probe["untypeset"]]
     problems += [f"raw TeX on the page: {t!r}" for t in probe["raw"]]
     problems += [f"error output: {t!r}" for t in probe["errors"]]
+    problems += [f"needs horizontal scrolling: {t!r}" for t in probe["scrolls"]]
+    problems += [f"progress bar left in the page: {t!r}" for t in probe["bars"]]
     page.screenshot(path=str(shots / f"{name.replace('/', '__')}.png"))
     if probe["maths"]:   # the first displayed equation, close up
         eq = page.query_selector("div.math mjx-container") or page.query_selector(".math mjx-container")
@@ -206,6 +260,12 @@ def main(argv=None) -> int:
             # The book must not need the network: every request that leaves localhost is refused
             # (and so shows up as a failed request).
             ctx.route(re.compile(r"^(?!http://127\.0\.0\.1[:/]).*"), lambda route: route.abort("blockedbyclient"))
+            page = ctx.new_page()
+            results["self-test"] = self_test(page)
+            page.close()
+            print(("FAIL " if results["self-test"] else "ok   ") + "self-test: the probe can fail")
+            for p in results["self-test"]:
+                print("     -", p)
             for name in toc_files():
                 page = ctx.new_page()
                 problems, probe = check_page(page, server.url, name, args.screenshots)

@@ -1,5 +1,5 @@
 """After a book build: every page in the table of contents exists, chapters show their figures,
-no page shows an error, labs are unexecuted and solutions executed.
+no page shows an error or a progress bar, labs are unexecuted and solutions executed.
 
 usage: python tests/check_built_book.py BUILD_HTML_DIR
 (run by `make test` after the -W build; not collected by pytest because it needs a build)
@@ -12,6 +12,8 @@ from pathlib import Path
 import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
+# tqdm's text, as a bar frozen in a saved output shows it: "  0%|          | 0/52 [00:00<?, ?it/s]"
+PROGRESS_BAR = re.compile(r"\d{1,3}%\|[^|\n<]{0,120}\|\s*\d+(\.\d+)?[kMG]?/\d+(\.\d+)?[kMG]?\s*\[\d")
 
 
 def toc_files():
@@ -20,6 +22,29 @@ def toc_files():
     for part in toc.get("parts", []):
         files += [c["file"] for c in part.get("chapters", [])]
     return files
+
+
+def figure_count(text: str) -> int:
+    return len(re.findall(r'<img[^>]+src="[^"]*_images/', text))
+
+
+def page_problems(f: str, text: str) -> list[str]:
+    """What is wrong with the built page of ``f`` (its path in _toc.yml), given its HTML."""
+    problems = []
+    images = figure_count(text)
+    bars = [m.group(0) for m in re.finditer(PROGRESS_BAR, text)]
+    if bars:
+        problems.append(f"{f}: {len(bars)} progress bar(s) left in the page, e.g. {bars[0]!r}")
+    for bad in ("Traceback (most recent call last)", "Error in callback"):
+        if bad in text and not f.startswith("labs/"):
+            problems.append(f"{f}: page shows {bad!r}")
+    if f.startswith("book/ch") and images == 0:
+        problems.append(f"{f}: chapter has no figure (is MPLBACKEND=Agg set? kernels need the inline backend)")
+    if f.startswith("labs/") and 'class="cell_output' in text:
+        problems.append(f"{f}: a lab page must be shown unexecuted")
+    if f.startswith("solutions/") and "PASSED check_" not in text:
+        problems.append(f"{f}: the solution's graders did not print PASSED")
+    return problems
 
 
 def main(html_dir: str) -> int:
@@ -31,17 +56,8 @@ def main(html_dir: str) -> int:
             problems.append(f"{page}: missing")
             continue
         text = page.read_text()
-        images = len(re.findall(r'<img[^>]+src="[^"]*_images/', text))
-        for bad in ("Traceback (most recent call last)", "Error in callback"):
-            if bad in text and not f.startswith("labs/"):
-                problems.append(f"{f}: page shows {bad!r}")
-        if f.startswith("book/ch") and images == 0:
-            problems.append(f"{f}: chapter has no figure (is MPLBACKEND=Agg set? kernels need the inline backend)")
-        if f.startswith("labs/") and 'class="cell_output' in text:
-            problems.append(f"{f}: a lab page must be shown unexecuted")
-        if f.startswith("solutions/") and "PASSED check_" not in text:
-            problems.append(f"{f}: the solution's graders did not print PASSED")
-        print(f"{f}: {images} figures")
+        problems += page_problems(f, text)
+        print(f"{f}: {figure_count(text)} figures")
     for p in problems:
         print("PROBLEM:", p)
     return 1 if problems else 0

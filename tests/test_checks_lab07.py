@@ -1,54 +1,122 @@
-"""Lab 7 graders: every mistake the issue lists is rejected by name; unusual correct answers pass."""
+"""Lab 7 graders: wrong implementations are rejected with the mistake named (or, when no single
+known mistake explains them, with what differs and where); unusual correct ones pass."""
+
+import itertools
+import math
 
 import numpy as np
 import pytest
 import torch
 
 from conftest import expect_rejected
-from kvlab.checks import check_decode_step_bytes, check_step_time_floor
+from kvlab import roofline
+from kvlab.checks import (check_bound_and_critical, check_decode_step_bytes, check_overhead_fit,
+                          check_step_time_floor, check_sweep_plan)
+from kvlab.checks._common import grading_model
 from kvlab.roofline import decode_step_flops
 
 
-def _kv(model, B, S, heads_field=("num_key_value_heads", "num_attention_heads"), itemsize=None):
+# ---- a right answer written as a learner would, and its parts (each mistake changes one)
+
+def _kv(model, B, S, heads_field=("num_key_value_heads", "num_attention_heads"), itemsize=None,
+        explicit_head_dim=True):
     cfg = model.config
     heads = next(getattr(cfg, f) for f in heads_field if getattr(cfg, f, None))
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    head_dim = (getattr(cfg, "head_dim", None) if explicit_head_dim else None) \
+        or cfg.hidden_size // cfg.num_attention_heads
     item = itemsize or next(model.parameters()).element_size()
     return 2 * cfg.num_hidden_layers * heads * head_dim * S * B * item
 
 
-def _weights(model):
-    return sum(p.numel() * p.element_size() for p in model.parameters())
+def _tables(model, include_tied=False):
+    head = model.get_output_embeddings().weight
+    return [m.weight for m in model.modules()
+            if isinstance(m, torch.nn.Embedding) and (include_tied or m.weight is not head)]
+
+
+def _weights(model, B, rows=None, include_tied=False):
+    """Every tensor once, with each look-up table replaced by ``rows`` (default B) of its rows."""
+    rows = B if rows is None else rows
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    for t in _tables(model, include_tied):
+        total += (rows - t.shape[0]) * t.shape[1] * t.element_size()
+    return total
 
 
 def right(model, B, S):
-    return _weights(model) + _kv(model, B, S)
+    return _weights(model, B) + _kv(model, B, S)
+
+
+def _tied_head(model):
+    head = model.get_output_embeddings().weight
+    tied = head is model.get_input_embeddings().weight
+    return head.numel() * head.element_size() if tied else 0
 
 
 # ---- decode_step_bytes: the wrong ones, each with the words its message must contain
 
+def _stale():
+    memo = {}
+
+    def impl(model, B, S):                       # keyed on the model only: another size's answer
+        return memo.setdefault(id(model), right(model, B, S))
+    return impl
+
+
+def _stateful():
+    calls = itertools.count()
+    return lambda model, B, S: right(model, B, S) + (next(calls) >= 10)    # drifts on the second pass
+
+
+def _one_coincidence(model, B, S):
+    """Right everywhere but on one case, where it gives the query-heads answer: a coincidence on one
+    case must not be named as that mistake."""
+    if getattr(model.config, "num_key_value_heads", 0) == 8 and S == 4096:
+        return _weights(model, B) + _kv(model, B, S, heads_field=("num_attention_heads",))
+    return right(model, B, S)
+
+
 WRONG_BYTES = {
-    "weights once per row": (lambda m, B, S: _weights(m) * B + _kv(m, B, S), ["once per row"]),
-    "cache left out": (lambda m, B, S: _weights(m), ["left the KV cache out"]),
-    "cache for one row": (lambda m, B, S: _weights(m) + _kv(m, 1, S), ["cache of ONE row"]),
-    "tied head twice (state_dict)": (
-        lambda m, B, S: sum(t.numel() * t.element_size() for t in m.state_dict().values()) + _kv(m, B, S),
-        ["tied LM head twice"]),
-    "parameters, not bytes": (
-        lambda m, B, S: sum(p.numel() for p in m.parameters()) + _kv(m, B, S, itemsize=1),
-        ["parameters", "not bytes"]),
-    "query heads": (lambda m, B, S: _weights(m) + _kv(m, B, S, heads_field=("num_attention_heads",)),
+    "tables whole (every tensor once)": (
+        lambda m, B, S: sum(p.numel() * p.element_size() for p in m.parameters()) + _kv(m, B, S),
+        ["look-up tables", "whole"]),
+    "one row of each table": (lambda m, B, S: _weights(m, B, rows=1) + _kv(m, B, S), ["ONE row of each"]),
+    "no table rows": (lambda m, B, S: _weights(m, B, rows=0) + _kv(m, B, S), ["left out the rows"]),
+    "tied head read by rows": (lambda m, B, S: _weights(m, B, include_tied=True) + _kv(m, B, S),
+                               ["tied token embedding", "whole"]),
+    "weights once per row": (lambda m, B, S: _weights(m, B) * B + _kv(m, B, S), ["once per row"]),
+    "cache left out": (lambda m, B, S: _weights(m, B), ["left the KV cache out"]),
+    "cache for one row": (lambda m, B, S: _weights(m, B) + _kv(m, 1, S), ["cache of ONE row"]),
+    "tied head twice": (lambda m, B, S: right(m, B, S) + _tied_head(m), ["tied LM head twice"]),
+    "parameters, not bytes": (lambda m, B, S: right(m, B, S) // next(m.parameters()).element_size(),
+                              ["parameters", "not bytes"]),
+    "query heads": (lambda m, B, S: _weights(m, B) + _kv(m, B, S, heads_field=("num_attention_heads",)),
                     ["QUERY heads", "num_key_value_heads"]),
-    "fp32 assumed": (lambda m, B, S: 4 * sum(p.numel() for p in m.parameters()) + _kv(m, B, S, itemsize=4),
-                     ["4 bytes"]),
+    "fp32 assumed": (lambda m, B, S: right(m, B, S) * 4 // next(m.parameters()).element_size(), ["4 bytes"]),
+    "head_dim from the width": (lambda m, B, S: _weights(m, B) + _kv(m, B, S, explicit_head_dim=False),
+                                ["head_dim", "explicitly"]),
     "returns a float": (lambda m, B, S: float(right(m, B, S)), ["Python int"]),
-    "off by the position table": (lambda m, B, S: right(m, B, S) - 1, ["off by -1"]),
+    "off by one byte everywhere": (lambda m, B, S: right(m, B, S) - 1,
+                                   ["no single known mistake", "Wrong on 10 of 10", "(-1)"]),
+    "one coincidence is not a diagnosis": (_one_coincidence, ["no single known mistake", "Llama-3.1-8B",
+                                                              "Right on"]),
+    "stale (memoised on the model)": (_stale(), ["kept from another call"]),
+    "state between calls": (_stateful(), ["called twice with the same arguments"]),
+    "the library handed in": (roofline.decode_step_bytes, ["library's own", "write it"]),
+    "the library called": (lambda m, B, S: roofline.decode_step_bytes(m, B, S),
+                           ["calls kvlab.roofline.decode_step_bytes", "write your own"]),
+    "the library's helper called": (lambda m, B, S: roofline.weight_read_bytes(m, B) + _kv(m, B, S),
+                                    ["kvlab.roofline.weight_read_bytes"]),
 }
 
 
 @pytest.mark.parametrize("name", WRONG_BYTES)
 def test_bytes_mistakes_rejected_by_name(name):
     impl, needles = WRONG_BYTES[name]
+    if name == "one coincidence is not a diagnosis":
+        msg = expect_rejected(check_decode_step_bytes, impl, *needles)
+        assert "QUERY" not in msg
+        return
     expect_rejected(check_decode_step_bytes, impl, *needles)
 
 
@@ -56,20 +124,31 @@ def test_bytes_learner_exception_is_wrapped():
     def broken(model, B, S):
         return model.config.n_layer   # Llama configs have no n_layer
     msg = expect_rejected(check_decode_step_bytes, broken, "raised AttributeError", "batch")
-    assert "llama" in msg.lower() or "Llama" in msg
+    assert "llama" in msg.lower()
 
 
 def test_bytes_data_ptr_dedup_on_meta_is_explained():
     def by_data_ptr(model, B, S):
-        seen = {p.data_ptr(): p for _, p in model.named_parameters(remove_duplicate=False)}
-        return sum(p.numel() * p.element_size() for p in seen.values()) + _kv(model, B, S)
+        seen = {p.data_ptr(): p for p in model.parameters()}     # every data_ptr is 0 on the meta device
+        total = sum(p.numel() * p.element_size() for p in seen.values())
+        for t in _tables(model):
+            if any(t is p for p in seen.values()):
+                total -= (t.shape[0] - B) * t.shape[1] * t.element_size()
+        return total + _kv(model, B, S)
     expect_rejected(check_decode_step_bytes, by_data_ptr, "meta device", "data_ptr")
+
+
+def test_failure_shows_no_grader_frames():
+    with pytest.raises(AssertionError) as err:
+        check_decode_step_bytes(lambda m, B, S: right(m, B, S) - 1)
+    frames = [f.name for f in err.traceback]
+    assert not any(name.startswith("_grade") or name == "_explain" for name in frames), frames
 
 
 # ---- unusual correct ones
 
 def numpy_ints(model, B, S):
-    return np.int64(_weights(model)) + np.int64(_kv(model, B, S))
+    return np.int64(_weights(model, B)) + np.int64(_kv(model, B, S))
 
 
 def named_parameters_dedup(model, B, S):
@@ -77,16 +156,28 @@ def named_parameters_dedup(model, B, S):
     seen = {}
     for _, p in model.named_parameters(remove_duplicate=False):
         seen[p.data_ptr() if p.device.type != "meta" else id(p)] = p
-    return sum(p.numel() * p.element_size() for p in seen.values()) + _kv(model, B, S)
+    total = sum(p.numel() * p.element_size() for p in seen.values())
+    for t in _tables(model):
+        total -= t.numel() * t.element_size() - B * t[0].numel() * t.element_size()
+    return total + _kv(model, B, S)
 
 
 def with_kvlab_memory(model, B, S):
     from kvlab.memory import kv_cache_bytes
     dtype = next(model.parameters()).dtype
-    return model.num_parameters() * dtype.itemsize + kv_cache_bytes(model.config, S, B, dtype)
+    rows = sum(B * t.shape[1] for t in _tables(model))
+    table = sum(t.numel() for t in _tables(model))
+    return (model.num_parameters() - table + rows) * dtype.itemsize + kv_cache_bytes(model.config, S, B, dtype)
 
 
-@pytest.mark.parametrize("impl", [right, numpy_ints, named_parameters_dedup, with_kvlab_memory])
+def memoised_correctly(model, B, S, _memo={}):    # noqa: B006 - a cache keyed on every argument is fine
+    key = (id(model), B, S)
+    if key not in _memo:
+        _memo[key] = right(model, B, S)
+    return _memo[key]
+
+
+@pytest.mark.parametrize("impl", [right, numpy_ints, named_parameters_dedup, with_kvlab_memory, memoised_correctly])
 def test_bytes_unusual_correct_pass(impl, capsys):
     check_decode_step_bytes(impl)
     assert "PASSED" in capsys.readouterr().out
@@ -102,17 +193,32 @@ WRONG_FLOOR = {
     "min": (lambda m, B, S, bw, fl: min(right(m, B, S) / bw, decode_step_flops(m, B, S) / fl), ["SMALLER"]),
     "sum": (lambda m, B, S, bw, fl: right(m, B, S) / bw + decode_step_flops(m, B, S) / fl, ["added"]),
     "milliseconds": (lambda m, B, S, bw, fl: 1e3 * floor(m, B, S, bw, fl), ["milliseconds"]),
-    "no cache": (lambda m, B, S, bw, fl: max(_weights(m) / bw, decode_step_flops(m, B, S) / fl), ["cache out"]),
+    "no cache": (lambda m, B, S, bw, fl: max(_weights(m, B) / bw, decode_step_flops(m, B, S) / fl), ["cache out"]),
     "swapped rates": (lambda m, B, S, bw, fl: max(right(m, B, S) / fl, decode_step_flops(m, B, S) / bw),
-                      ["check decode_step_bytes first"]),
+                      ["bytes go with bandwidth"]),
+    "bandwidth taken as GB/s": (lambda m, B, S, bw, fl: max(right(m, B, S) / (bw * 1e9),
+                                                             decode_step_flops(m, B, S) / fl),
+                                ["compute time", "bytes/s"]),
+    "FLOPs halved": (lambda m, B, S, bw, fl: max(right(m, B, S) / bw, decode_step_flops(m, B, S) / 2 / fl),
+                     ["wherever the FLOPs do", "compute term"]),
+    "bytes convention of the old chapter": (
+        lambda m, B, S, bw, fl: max((sum(p.numel() * p.element_size() for p in m.parameters()) + _kv(m, B, S)) / bw,
+                                    decode_step_flops(m, B, S) / fl),
+        ["wherever the bytes do", "decode_step_bytes"]),
+    "nanoseconds": (lambda m, B, S, bw, fl: 1e9 * floor(m, B, S, bw, fl), ["factor 1e9", "unit"]),
     "a tensor": (lambda m, B, S, bw, fl: torch.tensor(floor(m, B, S, bw, fl)), ["float number of seconds"]),
+    "the library handed in": (roofline.step_time_floor, ["library's own"]),
+    "the library's bytes": (lambda m, B, S, bw, fl: max(roofline.decode_step_bytes(m, B, S) / bw,
+                                                        decode_step_flops(m, B, S) / fl),
+                            ["calls kvlab.roofline.decode_step_bytes"]),
 }
 
 
 @pytest.mark.parametrize("name", WRONG_FLOOR)
 def test_floor_mistakes_rejected_by_name(name):
     impl, needles = WRONG_FLOOR[name]
-    expect_rejected(check_step_time_floor, impl, *needles)
+    msg = expect_rejected(check_step_time_floor, impl, *needles)
+    assert "SMALLER" not in msg or name == "min"          # units are not "the smaller of the two"
 
 
 def numpy_floor(model, B, S, bw, fl):
@@ -122,4 +228,180 @@ def numpy_floor(model, B, S, bw, fl):
 @pytest.mark.parametrize("impl", [floor, numpy_floor])
 def test_floor_unusual_correct_pass(impl, capsys):
     check_step_time_floor(impl)
+    assert "PASSED" in capsys.readouterr().out
+
+
+# ---- bound_and_critical
+
+def _terms(model, B, S, bw, fl):
+    cache = (right(model, B, S) - right(model, B, 0)) / bw
+    weights = right(model, B, 0) / bw
+    compute = decode_step_flops(model, B, S) / fl
+    return weights, cache, compute
+
+
+def _bound(model, B, S, bw, fl):
+    weights, cache, compute = _terms(model, B, S, bw, fl)
+    return "compute" if compute > weights + cache else ("cache" if cache > weights else "weights")
+
+
+def _over(model, S, bw, fl):
+    return lambda b: decode_step_flops(model, b, S) / fl > right(model, b, S) / bw
+
+
+def by_bisection(model, B, S, bw, fl):
+    """Decide 'never' from the per-row terms, then bisect (an unusual but right way)."""
+    row_bytes = right(model, 2, S) - right(model, 1, S)
+    if decode_step_flops(model, 1, S) / fl <= row_bytes / bw:
+        return [_bound(model, B, S, bw, fl), None]               # a list, not a tuple
+    over, hi = _over(model, S, bw, fl), 1
+    while not over(hi):
+        hi *= 2
+    lo = 1
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (mid + 1, hi) if not over(mid) else (lo, mid)
+    return _bound(model, B, S, bw, fl), np.int64(lo)              # a numpy int
+
+
+def closed_form(model, B, S, bw, fl):
+    one, two = right(model, 1, S), right(model, 2, S)
+    row, shared, f = two - one, 2 * one - two, decode_step_flops(model, 1, S)
+    gain = f / fl - row / bw
+    if gain <= 0:
+        return _bound(model, B, S, bw, fl), None
+    b = max(1, math.floor(shared / bw / gain))
+    over = _over(model, S, bw, fl)
+    while b > 1 and over(b - 1):
+        b -= 1
+    while not over(b):
+        b += 1
+    return _bound(model, B, S, bw, fl), b
+
+
+def _shift(impl, by):
+    def wrong(model, B, S, bw, fl):
+        bound, crit = impl(model, B, S, bw, fl)
+        return bound, None if crit is None else max(1, crit + by)
+    return wrong
+
+
+def _at_zero(model, B, S, bw, fl):
+    return _bound(model, B, S, bw, fl), closed_form(model, B, 0, bw, fl)[1]
+
+
+def _all_shared(model, B, S, bw, fl):
+    w, f = right(model, 1, S) / bw, decode_step_flops(model, 1, S) / fl
+    return _bound(model, B, S, bw, fl), math.floor(w / f) + 1
+
+
+def _never_none(model, B, S, bw, fl):
+    bound, crit = closed_form(model, B, S, bw, fl)
+    return bound, crit or 10**6
+
+
+def _memory(model, B, S, bw, fl):
+    bound, crit = closed_form(model, B, S, bw, fl)
+    return ("memory" if bound != "compute" else bound), crit
+
+
+def _weights_vs_compute(model, B, S, bw, fl):      # compares compute with the weights alone
+    weights, cache, compute = _terms(model, B, S, bw, fl)
+    bound = "compute" if compute > weights else ("cache" if cache > weights else "weights")
+    return bound, closed_form(model, B, S, bw, fl)[1]
+
+
+WRONG_CRIT = {
+    "critical batch at zero context": (_at_zero, ["ZERO context"]),
+    "every byte shared by the batch": (_all_shared, ["every byte", "own cache"]),
+    "one too many": (_shift(closed_form, 1), ["off by one, too large"]),
+    "one too few": (_shift(closed_form, -1), ["off by one, too small"]),
+    "a number where there is none": (_never_none, ["NO batch is compute-bound", "None"]),
+    "'memory' for a bound": (_memory, ["'weights' or 'cache'"]),
+    "compute against the weights alone": (_weights_vs_compute, ["ALL the bytes"]),
+    "a float batch": (lambda *a: (closed_form(*a)[0], float(closed_form(*a)[1] or 1)), ["positive int or None"]),
+    "not a pair": (lambda *a: closed_form(*a)[1], ["pair (bound, critical_batch)"]),
+    "the library called": (lambda m, B, S, bw, fl: (_bound(m, B, S, bw, fl), roofline.critical_batch(m, S, bw, fl)),
+                           ["calls kvlab.roofline.critical_batch"]),
+}
+
+
+def test_crit_endless_loop_is_stopped(monkeypatch):
+    from kvlab.checks import lab07
+    monkeypatch.setattr(lab07, "TIME_LIMIT_S", 0.5)
+
+    def brute_force(model, B, S, bw, fl):
+        b = 1
+        while decode_step_flops(model, b, S) / fl <= right(model, b, S) / bw:
+            b += 1                    # never ends where no batch is compute-bound
+        return _bound(model, B, S, bw, fl), b
+    expect_rejected(check_bound_and_critical, brute_force, "did not return within", "no batch is compute-bound")
+
+
+@pytest.mark.parametrize("name", WRONG_CRIT)
+def test_crit_mistakes_rejected_by_name(name):
+    impl, needles = WRONG_CRIT[name]
+    expect_rejected(check_bound_and_critical, impl, *needles)
+
+
+@pytest.mark.parametrize("impl", [closed_form, by_bisection])
+def test_crit_unusual_correct_pass(impl, capsys):
+    check_bound_and_critical(impl)
+    assert "PASSED" in capsys.readouterr().out
+
+
+# ---- the sweep plan
+
+def test_sweep_plan(capsys):
+    tiny = grading_model()[0]
+    bw, fl = 20e9, 200e9
+    crit = roofline.critical_batch(tiny, 64, bw, fl)
+    assert crit and crit > 3
+    check_sweep_plan([1, 2, crit + 1, 2 * crit], tiny, 64, bw, fl)
+    with pytest.raises(AssertionError, match=f"predicted for this machine is {crit}"):
+        check_sweep_plan([1, 2, crit + 1], tiny, 64, bw, fl)             # stops short of twice the batch
+    with pytest.raises(AssertionError, match="grow strictly"):
+        check_sweep_plan([1, 8, 4, 64], tiny, 64, bw, fl)
+    with pytest.raises(AssertionError, match="positive ints"):
+        check_sweep_plan([1, 2.0, 64], tiny, 64, bw, fl)
+    check_sweep_plan([1, 2], tiny, 64, 1e9, 1e15)                           # no critical batch: nothing to reach
+    assert "no batch is compute-bound" in capsys.readouterr().out
+    llama = roofline.meta_model("Llama-3.1-8B", torch.bfloat16)
+    check_sweep_plan([1, 2], llama, 100_000, 1e12, 1e12)                    # past the lab's memory budget
+    assert "beyond the lab's budget" in capsys.readouterr().out
+
+
+# ---- overhead_fit
+
+def fit(floors, measured):
+    n = len(floors)
+    mf, mm = sum(floors) / n, sum(measured) / n
+    k = sum((f - mf) * (m - mm) for f, m in zip(floors, measured)) / sum((f - mf) ** 2 for f in floors)
+    return mm - k * mf, k
+
+
+def polyfit(floors, measured):
+    k, overhead = np.polyfit(np.array(floors), np.array(measured), 1)
+    return overhead, k                                            # numpy floats
+
+
+WRONG_FIT = {
+    "through the origin": (lambda f, m: (0.0, sum(a * b for a, b in zip(f, m)) / sum(a * a for a in f)),
+                           ["through the origin", "intercept"]),
+    "axes swapped": (lambda f, m: fit(m, f), ["against the measurement"]),
+    "mean ratio": (lambda f, m: (0.0, sum(b / a for a, b in zip(f, m)) / len(f)), ["averaged measured / floor"]),
+    "not a pair": (lambda f, m: fit(f, m)[1], ["pair of numbers"]),
+    "in-place sort changes the input order": (lambda f, m: fit(sorted(f), m), ["least-squares line"]),
+}
+
+
+@pytest.mark.parametrize("name", WRONG_FIT)
+def test_fit_mistakes_rejected_by_name(name):
+    impl, needles = WRONG_FIT[name]
+    expect_rejected(check_overhead_fit, impl, *needles)
+
+
+@pytest.mark.parametrize("impl", [fit, polyfit])
+def test_fit_unusual_correct_pass(impl, capsys):
+    check_overhead_fit(impl)
     assert "PASSED" in capsys.readouterr().out

@@ -74,9 +74,85 @@ def gather_index_select(pool, block_table, seq_len):
     return x.flatten(1, 2)[:, :seq_len]
 
 
-def test_library_solution_passes():
-    check_block_allocator(BlockAllocator)
-    check_paged_gather(paged_gather)
+class CopiedAllocator(BlockAllocator):
+    """The library's allocator re-typed by a learner (a class of their own with the same code)."""
+
+    allocate, fork, append_slot, free = (BlockAllocator.allocate, BlockAllocator.fork, BlockAllocator.append_slot,
+                                         BlockAllocator.free)
+
+
+def test_correct_allocator_and_gather_pass():
+    check_block_allocator(CopiedAllocator)
+    check_paged_gather(lambda pool, table, n: paged_gather(pool, table, n))
+
+
+def test_the_library_handed_in_is_told_to_write_its_own():
+    expect_rejected(check_block_allocator, BlockAllocator, "kvlab.paged.BlockAllocator", "write your own")
+    expect_rejected(check_paged_gather, paged_gather, "kvlab.paged.paged_gather", "write your own")
+
+
+class NumpyIds(BlockAllocator):
+    """Correct, with numpy integers as block ids (the engine accepts them)."""
+
+    def allocate(self, seq_id, num_tokens):
+        import numpy as np
+        return [np.int64(b) for b in super().allocate(seq_id, num_tokens)]
+
+    def block_table(self, seq_id):
+        import numpy as np
+        return [np.int32(b) for b in super().block_table(seq_id)]
+
+
+def test_numpy_block_ids_are_accepted():
+    check_block_allocator(NumpyIds)
+
+
+class AliasedTable(BlockAllocator):
+    def block_table(self, seq_id):
+        return self._tables[seq_id]                         # the allocator's own list
+
+
+class AliasedAllocate(BlockAllocator):
+    def allocate(self, seq_id, num_tokens):
+        super().allocate(seq_id, num_tokens)
+        return self._tables[seq_id]
+
+
+class DropsRefBeforeCopy(BlockAllocator):
+    def append_slot(self, seq_id):
+        table, n = self._tables[seq_id], self._lengths[seq_id]
+        if n < len(table) * self.block_size and self._refcount[table[-1]] > 1:
+            old = table[-1]
+            self._refcount[old] -= 1                        # dropped first...
+            table[-1] = self._take(1)[0]                    # ...then the pool is found empty
+            self._lengths[seq_id] = n + 1
+            return table[-1], n % self.block_size, old
+        return super().append_slot(seq_id)
+
+
+class BumpsLengthFirst(BlockAllocator):
+    def append_slot(self, seq_id):
+        self._lengths[seq_id] += 1                          # counted before the block is taken
+        self._lengths[seq_id] -= 1
+        n = self._lengths[seq_id]
+        self._lengths[seq_id] = n + 1
+        try:
+            table = self._tables[seq_id]
+            copy_from = None
+            if n == len(table) * self.block_size:
+                table.append(self._take(1)[0])
+            elif self._refcount[table[-1]] > 1:
+                copy_from = table[-1]
+                table[-1] = self._take(1)[0]
+                self._refcount[copy_from] -= 1
+            return table[-1], n % self.block_size, copy_from
+        except Exception:
+            raise                                           # ...and left bumped when the pool is empty
+
+
+class FreeBlockRefcountNonzero(BlockAllocator):
+    def refcount(self, block):
+        return max(1, self._refcount[block])
 
 
 def test_unusual_correct_allocator_passes():
@@ -89,7 +165,7 @@ def test_unusual_correct_gathers_pass(gather):
 
 
 def test_paged_generate_accepts_correct_pieces(tiny):
-    check_paged_generate(BlockAllocator, paged_gather)
+    check_paged_generate(CopiedAllocator, gather_index_select)
     check_paged_generate(LifoTupleAllocator, gather_loop)
 
 
@@ -246,6 +322,11 @@ WRONG_ALLOCATORS = [
     (NoErrorWhenFull, ["must raise"]),
     (NotAtomic, ["before taking any"]),
     (WrongOffset, ["offset"]),
+    (AliasedTable, ["own list", "copy"]),
+    (AliasedAllocate, ["own list", "copy"]),
+    (DropsRefBeforeCopy, ["raised (good)", "refcount"]),
+    (BumpsLengthFirst, ["offset"]),
+    (FreeBlockRefcountNonzero, ["free block"]),
 ]
 
 
@@ -316,10 +397,18 @@ def test_paged_generate_blames_the_gather(tiny):
 
 
 def test_paged_generate_catches_leaks(tiny):
-    expect_rejected(lambda a: check_paged_generate(a, paged_gather), LeakOnFree, "leaked")
+    msg = expect_rejected(lambda a: check_paged_generate(a, paged_gather), LeakOnFree, "leaked")
+    assert "_Verdict" not in msg
 
 
 def test_paged_generate_wraps_exceptions(tiny):
     def broken(pool, table, n):
         raise IndexError("boom")
     expect_rejected(lambda g: check_paged_generate(BlockAllocator, g), broken, "raised IndexError")
+
+
+def test_a_diagnosis_is_named_only_when_a_second_table_confirms_it():
+    def sorted_if_short(pool, table, n):                    # right on 4-block tables, sorted on shorter ones
+        return _ref(pool, sorted(table) if len(table) <= 3 else table, n)
+    msg = expect_rejected(check_paged_gather, sorted_if_short, "wrong values")
+    assert "allocation order" not in msg

@@ -20,7 +20,8 @@ from kvlab.gpt2 import GPT2, generate, generate_uncached
 from kvlab.harness import rewind_and_regenerate
 from kvlab.paged import PagedCache, PagedKVCache, ragged_forward
 from kvlab.quant import TOLERANCE, AbsmaxFakeInt8Cache, QuantizedCache, compare, score_through_cache
-from kvlab.serving import Engine, reference_tokens
+from kvlab.serving import Engine
+from kvlab.servingbench import reference_tokens
 from kvlab.static import StaticCache, StaticDecoder
 
 N = 14   # new tokens per prompt
@@ -118,14 +119,14 @@ def test_serving_engine_gives_each_prompt_its_own_tokens(setup, prompts, want):
     """Chapter 9: every prompt inside the engine (ragged steps, requests joining mid-run, a shared prefix
     forked), tokens equal to the prompt alone; blocks of 4 (boundaries crossed and hit)."""
     _, _, ours = setup
-    eng = Engine(ours, num_blocks=64, block_size=4, max_batch=3)
+    eng = Engine(ours, num_blocks=64, block_size=4, max_num_seqs=3, max_num_batched_tokens=8)
     eng.add_prefix(prompts[0][1][0, :5].tolist())      # text0 and the 6-token prompt share it
-    reqs = {name: eng.submit(ids[0].tolist(), N) for name, ids in prompts}
+    reqs = {name: eng.submit(ids[0].tolist(), N, arrival=0.001 * i) for i, (name, ids) in enumerate(prompts)}
     eng.run()
     eng.close()
     for name, r in reqs.items():
-        assert r.tokens == want[name][0, -N:].tolist(), name
-    assert eng.cache.blocks_used == 0
+        assert r.output == want[name][0, -N:].tolist(), name
+    assert eng.blocks.num_free == 64 and eng.split_steps == 0
 
 
 def test_ragged_step_by_hand(setup, prompts, want):

@@ -51,9 +51,18 @@ def test_article_a_against_the_rtx3090_floor():
 
 def test_tables_and_sentences():
     rows = fb.model_table(["gpt2", "Llama-3.1-8B"], 1e12, 1e14, torch.float16)
-    assert rows[0]["crossover"] == 6752 and rows[1]["crossover"] == 122_533
+    # weights read at batch 1 (one row of wpe / of embed_tokens) over the cache of one position
+    assert rows[0]["crossover"] == 6709 and rows[1]["crossover"] == 114_517
+    assert rows[0]["critical"][0] == roofline.critical_batch(roofline.meta_model("gpt2", torch.float16), 0, 1e12, 1e14)
+    assert 1000 in rows[0]["critical"] and 2048 not in rows[0]["critical"] and rows[1]["critical"][32768] is None      # GPT-2's context is 1024
+    assert rows[1]["attention"] == 4.0 and rows[1]["lookup"] == pytest.approx(0.0654, abs=5e-4)
     q = fb.quant_rows("Llama-3.1-8B", 1, 512, 1e12, 1e15)
     assert q[0]["floor"] == pytest.approx(2 * q[1]["floor"])          # fp32 reads twice the bytes of fp16
+    slow = fb.quant_rows("Llama-3.1-8B", 16, 8192, 20e9, 89e9, 89e9)
+    assert all(r["bound"] == "compute" for r in slow[1:]) and "reads 1.00" in fb.quant_sentence(slow)
+    fast = fb.quant_rows("Llama-3.1-8B", 16, 8192, 4.3e12, 55e12, 989e12)   # priced at the half rate
+    assert all(r["bound"] != "compute" for r in fast[1:]) and "bound by memory" in fb.quant_sentence(fast)
+    assert fast[0]["rate"] == 55e12 and fast[1]["rate"] == 989e12
     assert "dominates" in fb.bound_sentence(roofline.step_terms(roofline.meta_model("gpt2"), 1, 0, 1e9, 1e12))
     assert fb.knee([1, 2, 4], [1.0, 1.2, 2.0]) == 4 and fb.knee([1, 2], [1.0, 1.1]) is None
     assert "later" in fb.knee_sentence(8, 4) and "earlier" in fb.knee_sentence(2, 4)
@@ -61,3 +70,41 @@ def test_tables_and_sentences():
     assert fb.llc_caveat([{"ratio": 3.0}], 32 * 2**20) == ""
     assert fb.shape_sizes_that_fit("cpu", quick=True) == ["gpt2"]
     assert len(fb.shape_sizes_that_fit("cuda", quick=False)) == 4
+
+
+def test_roofline_plot_bf16_rows_and_throughput(ours):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [dict(batch=b, seq=8, measured=1e-3 * (1 + b / 8), floor=1e-4 * (1 + b / 16)) for b in (1, 4, 16)]
+    pts = fb.roofline_points(rows, ours)
+    assert pts[0]["x"] == pytest.approx(roofline.arithmetic_intensity(ours, 1, 8))
+    assert pts[1]["y"] == pytest.approx(roofline.decode_step_flops(ours, 4, 8) / rows[1]["measured"])
+    fig, ax = plt.subplots()
+    fb.plot_roofline(ax, 10e9, 100e9, {"short": pts}, "t")
+    plt.close(fig)
+    assert "6.0x that of batch 1 (38% of proportional" in fb.throughput_sentence(rows)
+    d = fb.dtype_rows(["gpt2"], fb.H200["bandwidth"], {torch.float32: fb.H200["fp32"], torch.bfloat16: fb.H200["bf16"]})
+    assert d[1]["ridge"] / d[0]["ridge"] == pytest.approx(989 / 67)
+    assert d[1]["critical"][0] > 10 * d[0]["critical"][0] / 2       # bf16: the critical batch moves far out
+
+
+def test_compile_counts_come_from_torch():
+    from kvlab import compilecount
+
+    f = torch.compile(lambda x: (x * 2).sin(), backend="aot_eager", dynamic=False)
+    with compilecount.counting() as counts:
+        for n in (3, 4, 5):
+            f(torch.ones(n))              # a new shape each time: one graph each
+    assert counts["graphs"] == 3 and counts["graph breaks"] == 0 and counts["guard failures"] >= 2
+    line = compilecount.counts_sentence(counts, "cpu", compiled_functions=1)
+    assert "3 graph(s) for 1 compiled function(s) (2 more" in line and "no CUDA graph" in line
+    assert "CUDA graphs: 0 skip(s)" in compilecount.counts_sentence(counts, "cuda", compiled_functions=1)
+
+
+def test_one_compile_seconds_definition():
+    from kvlab import staticbench
+
+    assert staticbench.compile_seconds(12.5, 2.5) == 10.0
+    assert staticbench.compile_seconds(2.0, 2.4) == 0.0          # within the noise: not negative

@@ -34,12 +34,19 @@ LLAMA_PARAMS = 512 + 2 * 1952 + 16 + 512                # 4944
 LLAMA_MATMUL = 2 * (256 + 128 + 128 + 256 + 3 * 384) + 512   # 4352
 
 
+# The convention: the tied wte is the LM head, read whole; of the position table (16 x 8) a step
+# of B rows reads B rows of 8.
+def read(B):
+    return GPT2_PARAMS - 128 + 8 * B
+
+
 def test_gpt2_bytes_by_hand_fp32_and_fp16():
     m = tiny_gpt2()
     # cache: 2 (K,V) x 2 layers x 2 heads x 4 x 5 positions x 3 rows x 4 bytes = 1920
-    assert roofline.decode_step_bytes(m, 3, 5) == GPT2_PARAMS * 4 + 1920
-    assert roofline.decode_step_bytes(m, 7, 0) == GPT2_PARAMS * 4          # no cache yet: weights only
-    assert roofline.decode_step_bytes(tiny_gpt2(torch.float16), 3, 5) == GPT2_PARAMS * 2 + 960
+    assert roofline.decode_step_bytes(m, 3, 5) == read(3) * 4 + 1920
+    assert roofline.decode_step_bytes(m, 7, 0) == read(7) * 4          # no cache yet: weights only
+    assert roofline.decode_step_bytes(tiny_gpt2(torch.float16), 3, 5) == read(3) * 2 + 960
+    assert roofline.lookup_share(m) == pytest.approx(128 / GPT2_PARAMS)
 
 
 def test_tied_head_counted_once_and_flops_by_hand():
@@ -54,12 +61,15 @@ def test_tied_head_counted_once_and_flops_by_hand():
 def test_gqa_bytes_and_flops_by_hand():
     m = tiny_llama()
     # cache: 2 (K,V) x 2 layers x 2 KEY/VALUE heads x 4 x 7 positions x 2 rows x 2 bytes = 896
-    assert roofline.decode_step_bytes(m, 2, 7) == LLAMA_PARAMS * 2 + 2 * 2 * 2 * 4 * 7 * 2 * 2
+    # the untied input embedding (32 x 16): two rows of 16 read, not the table; lm_head read whole
+    assert roofline.decode_step_bytes(m, 2, 7) == (LLAMA_PARAMS - 512 + 32) * 2 + 2 * 2 * 2 * 4 * 7 * 2 * 2
     # attention FLOPs use the 4 QUERY heads: 4 x 2 rows x 2 layers x 4 heads x 4 x 7
     assert roofline.decode_step_flops(m, 2, 7) == 2 * 2 * LLAMA_MATMUL + 4 * 2 * 2 * 4 * 4 * 7
     tied = tiny_llama(tied=True)
     assert roofline.weight_bytes(tied) == (LLAMA_PARAMS - 512) * 2
     assert roofline.matmul_weights(tied) == LLAMA_MATMUL
+    assert roofline.decode_step_bytes(tied, 2, 0) == (LLAMA_PARAMS - 512) * 2    # tied: the head, whole
+    assert roofline.lookup_share(tied) == 0
 
 
 def test_hand_built_gpt2_and_meta_model_agree_with_transformers(tiny):
@@ -76,7 +86,7 @@ def test_meta_gpt2_sizes_and_open_models():
     m = roofline.meta_model("shape:gpt2-medium")
     assert roofline.weight_bytes(m) == 354_823_168 * 4
     # article A's floor: 1.42 GB of fp32 weights at an RTX 3090's 936 GB/s, about 1.5 ms a token
-    assert roofline.step_time_floor(m, 1, 0, 936e9, 35.6e12) == pytest.approx(1.516e-3, rel=1e-3)
+    assert roofline.step_time_floor(m, 1, 0, 936e9, 35.6e12) == pytest.approx(1.512e-3, rel=1e-3)
     llama = roofline.meta_model("Llama-3.1-8B", torch.bfloat16)
     assert roofline.weight_bytes(llama) == 8_030_261_248 * 2
     assert roofline.cache_read_bytes(llama, 4, 8192) == kv_cache_bytes(llama.config, 8192, 4, torch.bfloat16)
@@ -93,8 +103,8 @@ def test_floor_is_the_larger_term_and_helpers():
     t = roofline.step_terms(m, 3, 5, 1e9, 1e12)
     assert t["floor"] == pytest.approx(b / 1e9) and t["bound"] == "weights"
     assert roofline.step_terms(m, 3, 5, 1e9, 1e12, cache_dtype=torch.int8)["cache_bytes"] == 1920 // 4
-    # the crossover: the cache of one row outweighs the weights (9600 bytes / 128 bytes per token)
-    assert roofline.crossover_length(m) == 75
+    # the crossover: the cache of one row outweighs the weights (9120 bytes / 128 bytes per token)
+    assert roofline.crossover_length(m) == 72
     crit = roofline.critical_batch(m, 0, 1e9, 1e9)
     assert roofline.step_terms(m, crit, 0, 1e9, 1e9)["bound"] == "compute"
     assert roofline.step_terms(m, crit - 1, 0, 1e9, 1e9)["bound"] != "compute"
@@ -126,3 +136,79 @@ def test_measurements_run_and_fix_threads(capsys):
     out = capsys.readouterr().out
     assert "1 threads" in out and "GB/s" in out and "GFLOP/s" in out
     assert bw > 0 and fl > 0            # a measurement, never asserted beyond being one
+
+
+def test_llama_8b_input_embedding_is_six_and_a_half_percent():
+    llama = roofline.meta_model("Llama-3.1-8B", torch.bfloat16)
+    assert roofline.lookup_share(llama) == pytest.approx(0.0654, abs=5e-4)
+    embed = 128_256 * 4096 * 2
+    assert roofline.weight_read_bytes(llama, 4) == roofline.weight_bytes(llama) - embed + 4 * 4096 * 2
+
+
+def test_prefill_prices_the_lm_head_once_per_row():
+    m = tiny_gpt2()
+    # 6 prompt tokens of one row: 6 tokens through the layers, ONE row through the LM head (512)
+    layers = GPT2_MATMUL - 512
+    assert roofline.step_flops(m, 6, 1, 15) == 2 * 6 * layers + 2 * 512 + 4 * 2 * 2 * 4 * 15
+    assert roofline.step_flops(m, 6, 6, 0) == 2 * 6 * GPT2_MATMUL             # every token's logits
+    assert roofline.step_bytes(m, 6, 1, 0) == read(6) * 4
+    assert roofline.step_bytes(m, 6, 0, 0) == (read(6) - 512) * 4             # no logits: no head read
+    assert roofline.decode_step_flops(m, 3, 5) == roofline.step_flops(m, 3, 3, 15)
+    assert roofline.forward_floor(m, 6, 1, 0, 15, 1e12, 1e6) == pytest.approx(
+        roofline.step_flops(m, 6, 1, 15) / 1e6)
+    with pytest.raises(ValueError, match="logit_rows"):
+        roofline.step_bytes(m, 2, 3, 0)
+
+
+@pytest.mark.parametrize("seq", [0, 5, 40, 200])
+@pytest.mark.parametrize("bw, fl", [(1e9, 1e9), (1e9, 4e9), (20e9, 200e9), (1e9, 1e12)])
+def test_critical_batch_is_the_first_compute_bound_batch(seq, bw, fl):
+    m = tiny_gpt2()
+    crit = roofline.critical_batch(m, seq, bw, fl)
+    bound = lambda b: roofline.step_terms(m, b, seq, bw, fl)["bound"] == "compute"
+    if crit is None:        # then each row's own bytes outlast its FLOPs: no batch ever gets there
+        assert not any(bound(b) for b in (1, 10, 1000, 10**6))
+    else:
+        assert bound(crit) and (crit == 1 or not bound(crit - 1))
+
+
+def test_attention_intensity_is_constant_and_gqa_raises_it():
+    # 2 x query heads / (key-value heads x bytes): GPT-2 fp32 0.5, the tiny Llama fp16 2 x 4 / (2 x 2) = 2
+    assert roofline.attention_intensity(tiny_gpt2()) == 0.5
+    assert roofline.attention_intensity(tiny_llama()) == 2.0
+    m = tiny_gpt2()
+    for B, S in ((1, 100), (8, 1000)):
+        extra = roofline.decode_step_flops(m, B, S + 1) - roofline.decode_step_flops(m, B, S)
+        assert extra / (roofline.decode_step_bytes(m, B, S + 1) - roofline.decode_step_bytes(m, B, S)) == 0.5
+    assert roofline.critical_batch_curve(m, [0, 10**6], 1e9, 4e9)[1] is None
+
+
+def test_achieved_bandwidth_is_bytes_over_seconds():
+    m = tiny_gpt2()
+    want = sum(roofline.decode_step_bytes(m, 1, s) for s in (4, 5, 6))
+    assert roofline.generation_bytes(m, 1, 4, 3) == want
+    assert roofline.achieved_bandwidth(m, 1, 4, 3, 2.0) == want / 2
+
+
+def test_probe_kinds(capsys):
+    before = torch.get_num_threads()
+    try:
+        for kind in ("read", "copy", "gemv"):
+            assert roofline.measure_bandwidth("cpu", size_mib=4, threads=1, repeats=2, kind=kind) > 0
+    finally:
+        torch.set_num_threads(before)
+    out = capsys.readouterr().out
+    assert "sum of 4 MiB" in out and "copy of 4 MiB" in out and "matrix-vector" in out
+    if (roofline.cpu_cache_bytes() or 0) >= 4 * 2**20:
+        assert "fits in the last-level cache" in out      # a probe that small measures the cache
+    with pytest.raises(ValueError, match="kind"):
+        roofline.measure_bandwidth("cpu", size_mib=4, kind="write")
+    assert roofline._default_probe_mib("cpu") * 2**20 >= 4 * (roofline.cpu_cache_bytes() or 0)
+
+
+def test_arithmetic_rate_names_the_dtype(capsys):
+    rate, used = roofline.arithmetic_rate("cpu", torch.float32, threads=1, verbose=False)
+    assert rate > 0 and used == torch.float32
+    rate, used = roofline.arithmetic_rate("cpu", torch.float16, threads=1)
+    assert used in (torch.float16, torch.bfloat16, torch.float32)
+    assert "priced at the" in capsys.readouterr().out

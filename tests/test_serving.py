@@ -1,12 +1,15 @@
-"""Continuous and static batching on the paged cache: every request equals its prompt served alone."""
+"""The serving engine on the hand-built GPT-2: every request equals its prompt served alone, under
+every policy, with preemption, prefix hits, a shared prefix and chunked prefill; each step is ONE
+forward call; the run's floor prices the LM head once per row that gets logits."""
 
 import pytest
 import torch
 
 from kvlab.gpt2 import GPT2
 from kvlab.paged import paged_gather
-from kvlab.serving import (Engine, random_workload, reference_tokens, reserved_vs_used, run_floor, serve,
-                           summary)
+from kvlab.servingbench import (References, poisson_arrivals, random_workload, reference_tokens, reserved_vs_used,
+                              run_floor, serve, step_floor, summarize)
+from kvlab.serving import Engine, Status
 
 
 @pytest.fixture(scope="module")
@@ -14,71 +17,76 @@ def model(tiny):
     return GPT2.from_hf(tiny[0])
 
 
+@pytest.fixture(scope="module")
+def refs(model):
+    return References(model)
+
+
 PREFIX = [11, 22, 33, 44, 55, 66, 77]   # 7 tokens: not a whole number of blocks of 4, so copy-on-write
 
 
-def _check_all(model, eng):
-    for r in eng.finished:
-        assert r.tokens == reference_tokens(model, r.prompt, r.max_new_tokens, r.eos_token_id), r.rid
+class CountingModel(torch.nn.Module):
+    """The model, counting its forward calls."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.m, self.config, self.calls = model, model.config, 0
+
+    def forward(self, *args, **kwargs):
+        self.calls += 1
+        return self.m(*args, **kwargs)
 
 
-@pytest.mark.parametrize("policy", ["continuous", "static"])
-@pytest.mark.parametrize("gather", [None, paged_gather], ids=["batched", "plain"])
-def test_every_request_equals_its_prompt_alone(model, policy, gather):
+@pytest.mark.parametrize("policy", [dict(), dict(admission="reserve", batching="static"),
+                                    dict(admission="contiguous", max_len=40)], ids=["on-demand", "static", "contiguous"])
+@pytest.mark.parametrize("gather", [None, paged_gather], ids=["one-gather", "lab-gather"])
+def test_every_request_equals_its_prompt_alone(model, refs, policy, gather):
     wl = random_workload(7, 4096, (2, 12), (1, 12), seed=3) + random_workload(4, 4096, (1, 5), (2, 9), seed=4,
                                                                               prefix=PREFIX)
-    eng = serve(model, wl, num_blocks=30, block_size=4, policy=policy, max_batch=4, prefix=PREFIX, gather=gather)
-    assert len(eng.finished) == len(wl)
-    _check_all(model, eng)
-    assert eng.cache.copies > 0                                   # the prefix's partial block was copied
-    assert max(t["blocks_used"] for t in eng.trace) <= 30
-    assert max(t["rows"] for t in eng.trace) <= 4
+    counting = CountingModel(model)
+    eng = serve(counting, wl, prefix=PREFIX, num_blocks=14, block_size=4, max_num_batched_tokens=12,
+                max_num_seqs=4, gather=gather, **policy)
+    assert refs.mismatches(eng) == []
+    assert counting.calls == len(eng.trace.steps) + 1               # one forward per step (+ the prefix's)
+    assert eng.split_steps == 0 and eng.blocks.copies > 0           # the prefix's partial block was copied
+    assert max(t["tokens"] for t in eng.trace.steps) <= 12
+    if not policy:
+        assert eng.scheduler.preemptions > 0 and max(t["blocks_used"] for t in eng.trace.steps) == 14
     eng.close()
-    assert eng.cache.blocks_used == 0                             # nothing leaked
+    assert eng.blocks.num_free == 14                                 # nothing leaked
 
 
-def test_requests_joining_mid_run_and_eos(model):
-    eng = Engine(model, num_blocks=16, block_size=2, max_batch=3)
-    first = [eng.submit(p, m) for p, m in random_workload(3, 4096, (3, 9), (6, 10), seed=5)]
-    for _ in range(4):
-        eng.step()
-    prompt = first[0].prompt
-    eos = reference_tokens(model, prompt, 8)[4]                   # a token the model will produce
-    late = eng.submit(prompt, 8, eos_token_id=eos)
+def test_poisson_arrivals_prefix_hits_and_eos(model, refs):
+    wl = random_workload(6, 4096, (3, 9), (6, 10), seed=5, prefix=PREFIX * 2)
+    eos = reference_tokens(model, wl[0][0], 8)[3]
+    eng = serve(model, wl, arrivals=poisson_arrivals(len(wl), 50.0, seed=1), eos_token_id=eos, num_blocks=24,
+                block_size=4, max_num_batched_tokens=16)
+    assert refs.mismatches(eng) == []
+    first = eng.seqs[0]
+    assert first.output[-1] == eos and len(first.output) <= 4
+    assert eng.blocks.hits > 0
+    s = summarize(eng, ttft_target=10.0, tpot_target=10.0)
+    assert s["finished"] == 6 and s["met"] == 1.0 and s["ttft_p50"] <= s["e2e_p50"]
+
+
+def test_bad_request_inside_a_batch_costs_no_one_else(model, refs):
+    eng = Engine(model, num_blocks=16, block_size=4)
+    good = [eng.submit(p, m) for p, m in random_workload(3, 4096, (2, 6), (3, 6), seed=6)]
+    with pytest.raises(ValueError, match="prompt token"):
+        eng.submit([1, 4096], 3)
+    with pytest.raises(ValueError, match="context"):
+        eng.submit([1] * 500, 20)
     eng.run()
-    assert late.tokens[-1] == eos and len(late.tokens) <= 5
-    _check_all(model, eng)
-    assert any(t["queued"] for t in eng.trace) or len(eng.finished) == 4
-    assert eng.cache.blocks_used == 0
+    assert all(s.status is Status.FINISHED for s in good) and refs.mismatches(eng) == []
 
 
-def test_continuous_keeps_the_batch_fuller_than_static(model):
-    wl = random_workload(8, 4096, (2, 6), (1, 16), seed=6)
-    runs = {p: serve(model, wl, num_blocks=64, block_size=4, policy=p, max_batch=4) for p in ("continuous", "static")}
-    s = {p: summary(e) for p, e in runs.items()}
-    assert s["continuous"]["steps"] < s["static"]["steps"]       # step counts are deterministic
-    assert s["continuous"]["mean_occupancy"] > s["static"]["mean_occupancy"]
-    assert run_floor(runs["static"], bandwidth=1e10, flops=1e11) > 0
-
-
-def test_prefix_sharing_uses_fewer_blocks(model):
-    wl = random_workload(4, 4096, (1, 4), (2, 4), seed=7, prefix=PREFIX * 3)
-    peak = {}
-    for share in (True, False):
-        eng = serve(model, wl, num_blocks=60, block_size=4, max_batch=4, prefix=PREFIX * 3, prefix_sharing=share)
-        _check_all(model, eng)
-        peak[share] = max(t["blocks_used"] for t in eng.trace)
-    assert peak[True] < peak[False]
-
-
-def test_bad_requests_are_refused(model):
-    eng = Engine(model, num_blocks=4, block_size=4)
-    with pytest.raises(ValueError, match="add blocks"):
-        eng.submit([1, 2, 3], 20)
-    with pytest.raises(ValueError, match="max_new_tokens"):
-        eng.submit([1], 0)
-    with pytest.raises(ValueError, match="policy"):
-        Engine(model, 4, 4, policy="fifo")
+def test_floor_prices_the_lm_head_per_logit_row(model):
+    one = step_floor(model, tokens=200, logit_rows=1, keys=200, pairs=200 * 201 // 2, bandwidth=1e12, flops=1e9)
+    every = step_floor(model, tokens=200, logit_rows=200, keys=200, pairs=200 * 201 // 2, bandwidth=1e12, flops=1e9)
+    head = 2 * 199 * model.wte.weight.numel() / 1e9
+    assert every - one == pytest.approx(head, rel=1e-6)
+    eng = serve(model, random_workload(3, 4096, (2, 6), (2, 4), seed=7), num_blocks=16, block_size=4)
+    assert run_floor(eng, bandwidth=1e10, flops=1e11) > 0
 
 
 def test_reserved_vs_used():
@@ -95,3 +103,9 @@ def test_reference_equals_the_naive_generator(model):
     for prompt, m in random_workload(3, 4096, (1, 9), (1, 12), seed=8):
         naive = generate_uncached(model, torch.tensor([prompt]), m)[0, len(prompt):].tolist()
         assert reference_tokens(model, prompt, m) == naive
+
+
+def test_rate_must_be_positive():
+    for bad in (0, -1.0, float("nan"), True):
+        with pytest.raises(ValueError, match="rate"):
+            poisson_arrivals(4, bad)

@@ -17,10 +17,12 @@ from .lab03 import (check_attention, check_cache_bytes_prediction, check_generat
 from .lab04 import check_kv_cache_bytes, check_max_batch_size, check_max_seq_len
 from .lab05 import check_quantize, check_quantize_int
 from .lab06 import check_batched_generate, check_batched_generate_until, check_make_batch
-from .lab07 import check_decode_step_bytes, check_step_time_floor
+from .lab07 import (check_bound_and_critical, check_decode_step_bytes, check_overhead_fit,
+                    check_step_time_floor, check_sweep_plan)
 from .lab08 import (check_hidden_nan, check_no_recompile, check_static_attention, check_static_cache,
                     check_static_generate)
 from .lab09 import check_block_allocator, check_paged_gather, check_paged_generate
+from .lab09_serving import check_prefix_cache, check_scheduler
 
 __all__ = [
     "check_naive_generate",
@@ -41,6 +43,9 @@ __all__ = [
     "check_batched_generate_until",
     "check_decode_step_bytes",
     "check_step_time_floor",
+    "check_bound_and_critical",
+    "check_sweep_plan",
+    "check_overhead_fit",
     "check_static_cache",
     "check_static_attention",
     "check_no_recompile",
@@ -49,12 +54,14 @@ __all__ = [
     "check_block_allocator",
     "check_paged_gather",
     "check_paged_generate",
+    "check_scheduler",
+    "check_prefix_cache",
 ]
 
-# Labs 7 and 9 are being reworked (issues 22, 23): their grader tests still hand in the library's
-# functions as the reference. Take a name out of this set once its tests pass their own copies.
-_LIBRARY_ALLOWED = {"check_decode_step_bytes", "check_step_time_floor", "check_block_allocator",
-                    "check_paged_gather", "check_paged_generate"}
+# Labs 7 and 9 refuse the library's own code in their own graders (issues 22, 23), with messages of
+# their own, and their tests build references on the library: the wrapper only trims their tracebacks.
+_OWN_REFUSAL = ("kvlab.checks.lab07", "kvlab.checks.lab09", "kvlab.checks.lab09_serving")
 for _name in __all__:
-    globals()[_name] = grader(globals()[_name], own_work=_name not in _LIBRARY_ALLOWED)
-del _name
+    _check = globals()[_name]
+    globals()[_name] = grader(_check, own_work=_check.__module__ not in _OWN_REFUSAL)
+del _name, _check

@@ -1,13 +1,23 @@
-"""Graders for lab 7: the bytes of a decode step and the floor they set.
+"""Graders for lab 7: the bytes of a decode step, the floor they set, and predictions from them.
 
-* ``decode_step_bytes(model, batch_size, seq_len) -> int`` against exact counts: the bundled model,
-  small random GPT-2 and grouped-query Llama models (tied and untied heads), and shape-only models on
-  the ``meta`` device (GPT-2 medium, Llama-3.1-8B), in fp32, fp16 and bf16;
+* ``decode_step_bytes(model, batch_size, seq_len) -> int`` against exact counts in chapter 7's
+  convention (every tensor once; of a look-up table, the input embedding or a position table, the
+  ``batch_size`` rows a step reads; the LM head whole; a tied head is the token table, read whole
+  once; plus the cache of every row): GPT-2 and grouped-query Llama models, tied and untied heads, an
+  explicit ``head_dim`` that is not ``hidden_size / num_attention_heads``, real and ``meta``-device
+  models, fp32 / fp16 / bf16;
 * ``step_time_floor(model, batch_size, seq_len, bandwidth, flops) -> float`` seconds, on machines
-  chosen so that some cases are memory-bound and others compute-bound.
+  chosen so that some cases are bound by memory and others by compute;
+* ``bound_and_critical(model, batch_size, seq_len, bandwidth, flops) -> (bound, critical)``: which
+  term bounds the step (``"weights"``, ``"cache"`` or ``"compute"``) and the smallest batch whose
+  step is bound by compute at that context (``None`` if no batch is);
+* ``check_sweep_plan`` (a sweep that reaches past the predicted critical batch) and
+  ``overhead_fit(floors, measured) -> (overhead_s, k)`` (the measurement set against the prediction).
 
-A wrong answer is tested against a table of named mistakes over every case at once; the mistake
-that explains all the numbers is the one the message names.
+Every grader calls the learner's function on each case, then on all of them again in another order
+(a memoised or stale answer is named), refuses the library's own functions (:mod:`kvlab.roofline`),
+and names a mistake only when its formula explains every case AND differs from the right answer on
+at least two of them; otherwise it says what differs, and where.
 """
 
 from __future__ import annotations
@@ -15,14 +25,170 @@ from __future__ import annotations
 import functools
 import math
 import numbers
+import sys
+from contextlib import contextmanager
 
 import torch
 
 from .. import roofline
-from ._common import fail, grading_model, passed
+from ._common import GraderFailure, fail, grading_model, passed
 
 NAME_BYTES = "check_decode_step_bytes"
 NAME_FLOOR = "check_step_time_floor"
+NAME_CRIT = "check_bound_and_critical"
+NAME_SWEEP = "check_sweep_plan"
+NAME_FIT = "check_overhead_fit"
+
+# ---------------------------------------------------------------------------------------------------
+# Guards shared by the graders
+
+# The library's answers: a learner's function that hands them in (or calls them) is told to write
+# their own. decode_step_flops stays allowed: the lab imports it.
+_ANSWERS = {
+    NAME_BYTES: ("decode_step_bytes", "step_bytes", "weight_read_bytes", "lookup_bytes", "_lookup_tables",
+                 "step_terms", "generation_bytes"),
+    NAME_FLOOR: ("decode_step_bytes", "step_bytes", "step_time_floor", "forward_floor", "step_terms",
+                 "generation_floor"),
+    NAME_FIT: (),
+    NAME_CRIT: ("decode_step_bytes", "step_bytes", "step_time_floor", "forward_floor", "step_terms",
+                "critical_batch", "critical_batch_curve"),
+}
+
+
+def _library_codes(check):
+    return {getattr(roofline, n).__code__: n for n in _ANSWERS[check]}
+
+
+@contextmanager
+def _watch_library(check, found: list):
+    """Record any call into the library's answers while the learner's function runs."""
+    codes, previous = _library_codes(check), sys.getprofile()
+
+    def profiler(frame, event, arg):
+        if event == "call" and frame.f_code in codes:
+            found.append(codes[frame.f_code])
+    sys.setprofile(profiler)
+    try:
+        yield
+    finally:
+        sys.setprofile(previous)
+
+
+def _refuse_library(check, fn) -> None:
+    if getattr(fn, "__module__", "") and str(fn.__module__).startswith("kvlab."):
+        raise fail(check, f"you handed in {fn.__module__}.{getattr(fn, '__name__', fn)}, the library's own "
+                          "function: the lab grades yours. Write it from the chapter's formula")
+
+
+class _TooSlow(Exception):
+    pass
+
+
+@contextmanager
+def _deadline(seconds: float):
+    """Stop a call that runs longer than ``seconds`` (a loop that never ends), where signals allow."""
+    import signal
+    import threading
+
+    if not hasattr(signal, "setitimer") or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum, frame):
+        raise _TooSlow()
+    previous = signal.signal(signal.SIGALRM, stop)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+TIME_LIMIT_S = 20.0      # per call: generous for any direct computation, a stop for an endless loop
+
+
+def _call(check, fn, label, args):
+    """The learner's function on one case: their exceptions, library calls and endless loops become
+    failures."""
+    names = ("batch_size", "seq_len", "bandwidth", "flops")
+    shown = ", ".join(f"{k}={a!r}" for k, a in zip(names, args[1:]))
+    found: list = []
+    try:
+        with _deadline(TIME_LIMIT_S), _watch_library(check, found):
+            out = fn(*args)
+    except _TooSlow:
+        raise fail(check, f"your function did not return within {TIME_LIMIT_S:.0f} s on <{label}> ({shown}). "
+                          "A loop over batch sizes never ends when no batch is compute-bound: decide that first, "
+                          "from what one more row adds to the bytes and to the FLOPs") from None
+    except (GraderFailure, NotImplementedError):
+        raise
+    except Exception as e:  # noqa: BLE001 - the learner's exception becomes a pointed message
+        raise fail(check, f"your function raised {type(e).__name__}: {e} when called with "
+                          f"(<{label}>, {shown})") from None
+    if found:
+        raise fail(check, f"your function calls kvlab.roofline.{found[0]}, the library's answer to this "
+                          "exercise: write your own from the chapter's formula")
+    return out
+
+
+def _shape(model):
+    return [(p.shape, p.dtype, p.device) for p in model.parameters()]
+
+
+def _run_all(check, fn, cases, args_of, handed_in=None):
+    """Call ``fn`` on every case, then again in reverse order: the same arguments must give the same
+    answer, and the model must come back unchanged. ``handed_in``: the learner's own function when
+    ``fn`` wraps it."""
+    _refuse_library(check, handed_in or fn)
+    first = []
+    for c in cases:
+        before = _shape(c["model"])
+        first.append(_call(check, fn, c["label"], args_of(c)))
+        if _shape(c["model"]) != before:
+            raise fail(check, f"{c['label']}: your function changed the model (its parameters' shapes, dtypes "
+                              "or device): only read it")
+    for i in reversed(range(len(cases))):
+        again = _call(check, fn, cases[i]["label"], args_of(cases[i]))
+        if not _same(again, first[i]):
+            raise fail(check, f"{cases[i]['label']}: called twice with the same arguments, your function "
+                              f"returned {first[i]!r}, then {again!r}: it must depend on its arguments only "
+                              "(a cache keyed on part of them, or state kept between calls?)")
+    return first
+
+
+def _same(a, b) -> bool:
+    try:
+        return a == b or (isinstance(a, float) and isinstance(b, float) and math.isclose(a, b))
+    except Exception:  # noqa: BLE001 - tensors and the like: compare their reprs
+        return repr(a) == repr(b)
+
+
+def _explain(cases, got, mistakes, right, close=None):
+    """The first named mistake whose formula gives every answer and differs from the right one on
+    at least two cases (a coincidence on one case names nothing); else None."""
+    eq = close or (lambda a, b: a == b)
+    for name, wrong, message in mistakes:
+        values = [wrong(c) for c in cases]
+        if all(eq(g, v) for g, v in zip(got, values)) and \
+                sum(not eq(v, right(c)) for c, v in zip(cases, values)) >= 2:
+            return message
+    return None
+
+
+def _public(fn):
+    """A failure is shown from the check's own line, not from the grader's tables inside it."""
+    @functools.wraps(fn)
+    def check(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except GraderFailure as failure:
+            raise failure.with_traceback(None) from None
+    return check
+
+
+# ---------------------------------------------------------------------------------------------------
+# The graded models
 
 
 def _random(cfg, dtype):
@@ -38,8 +204,9 @@ def _models():
 
     llama = dict(vocab_size=96, hidden_size=48, num_hidden_layers=3, num_attention_heads=6,
                  num_key_value_heads=2, intermediate_size=40)
+    wide = dict(vocab_size=72, hidden_size=32, num_hidden_layers=2, intermediate_size=24)
     return [
-        ("kvlab-tiny (fp32, tied LM head)", grading_model()[0]),
+        ("kvlab-tiny (fp32, tied LM head, learned positions)", grading_model()[0]),
         ("a random GPT-2 (fp16, 3 layers, 4 heads of 8, tied LM head)",
          _random(GPT2Config(vocab_size=80, n_positions=40, n_embd=32, n_layer=3, n_head=4,
                             bos_token_id=0, eos_token_id=0), torch.float16)),
@@ -47,67 +214,85 @@ def _models():
          _random(LlamaConfig(**llama, tie_word_embeddings=False), torch.bfloat16)),
         ("a random grouped-query Llama (fp32, 6 query / 2 key-value heads, tied head)",
          _random(LlamaConfig(**llama, tie_word_embeddings=True), torch.float32)),
-        ("shape-only gpt2-medium on the meta device (fp16)",
-         roofline.meta_model("gpt2-medium", torch.float16)),
+        ("a random Llama with head_dim=16, not hidden_size / heads = 8 (fp32, 4 query / 2 key-value heads, "
+         "untied)", _random(LlamaConfig(**wide, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                        tie_word_embeddings=False), torch.float32)),
+        ("a random Llama with head_dim=12, not hidden_size / heads = 8 (fp16, 4 heads, tied)",
+         _random(LlamaConfig(**wide, num_attention_heads=4, num_key_value_heads=4, head_dim=12,
+                             tie_word_embeddings=True), torch.float16)),
+        ("shape-only gpt2-medium on the meta device (fp16)", roofline.meta_model("gpt2-medium", torch.float16)),
         ("shape-only Llama-3.1-8B on the meta device (bf16, 32 query / 8 key-value heads)",
          roofline.meta_model("Llama-3.1-8B", torch.bfloat16)),
     ]
 
 
-# (batch_size, seq_len) per model: several rows, a context the learner has not seen
-_SIZES = [(3, 21), (2, 13), (5, 9), (4, 0), (7, 700), (3, 4096)]
+# (model index, batch_size, seq_len): several rows, contexts the learner has not seen, and the same
+# model at two sizes (a stale answer for one of them is named)
+_BYTE_CASES = [(0, 3, 21), (1, 2, 13), (2, 5, 9), (3, 4, 0), (4, 3, 11), (5, 6, 7), (6, 7, 700),
+               (7, 3, 4096), (0, 9, 2), (7, 1, 100)]
 
 
 def _case(label, model, batch, seq):
-    """Everything a mistake needs: the right parts of the answer, computed by kvlab.roofline."""
+    """Everything a mistake needs: the parts of the right answer, from kvlab.roofline."""
     cfg = model.config
-    n_head = getattr(cfg, "num_attention_heads")
+    n_head = cfg.num_attention_heads
     n_kv = getattr(cfg, "num_key_value_heads", None) or n_head
     head = roofline._lm_head(model)
     tied = any(p is head for p in model.get_input_embeddings().parameters())
-    weights, cache = roofline.weight_bytes(model), roofline.cache_read_bytes(model, batch, seq)
-    return dict(label=label, model=model, B=batch, S=seq, W=weights, C=cache, item=head.element_size(),
-                head=head.numel() * head.element_size() if tied else 0, q_per_kv=n_head // n_kv,
-                meta=next(model.parameters()).device.type == "meta", want=weights + cache)
+    row = sum(t[0].numel() * t.element_size() for t in roofline._lookup_tables(model))
+    dim = roofline.kv_dims(cfg)[2]
+    return dict(label=label, model=model, B=batch, S=seq, W=roofline.weight_bytes(model),
+                L=roofline.lookup_bytes(model), row=row, C=roofline.cache_read_bytes(model, batch, seq),
+                item=head.element_size(), head=head.numel() * head.element_size() if tied else 0,
+                head_row=head[0].numel() * head.element_size() if tied else 0, q_per_kv=n_head // n_kv,
+                dim_ratio=(cfg.hidden_size // n_head) / dim, meta=next(model.parameters()).device.type == "meta",
+                want=roofline.decode_step_bytes(model, batch, seq))
+
+
+def _read(c):
+    """The weights the convention says a step reads."""
+    return c["W"] - c["L"] + c["B"] * c["row"]
 
 
 # Named mistakes: what each wrong formula returns, from the parts of the right answer.
 _MISTAKES = [
-    ("weights once per row", lambda c: c["W"] * c["B"] + c["C"],
-     "you counted the weights once per row of the batch. A step reads every weight ONCE and applies "
-     "it to all rows: that is why batching is cheap. Only the cache grows with the batch"),
-    ("cache left out", lambda c: c["W"],
-     "you left the KV cache out: a decode step also reads the cached keys and values of every "
-     "position of every row (chapter 4's formula)"),
-    ("cache for one row", lambda c: c["W"] + c["C"] // c["B"],
-     "you counted the cache of ONE row: every row of the batch has its own keys and values, so "
-     "multiply the cache by batch_size"),
-    ("tied head twice", lambda c: c["W"] + c["head"] + c["C"],
+    ("tables whole", lambda c: c["W"] + c["C"],
+     "you counted the look-up tables (input embedding, position table) whole: a step reads only the "
+     "batch_size rows it looks up, one per row of the batch. The LM head is read whole: every row of it "
+     "makes a logit"),
+    ("one row of each table", lambda c: c["W"] - c["L"] + c["row"] + c["C"],
+     "you read ONE row of each look-up table: every row of the batch looks up its own, so batch_size rows"),
+    ("no table rows", lambda c: c["W"] - c["L"] + c["C"],
+     "you left out the rows the look-up tables give: a step reads batch_size rows of each"),
+    ("tied head as rows", lambda c: _read(c) - c["head"] + c["B"] * c["head_row"] + c["C"],
+     "you counted the tied token embedding as a look-up table read by rows, but it IS the LM head, and "
+     "the LM head reads all of it to make the logits: count it whole, once"),
+    ("weights once per row", lambda c: _read(c) * c["B"] + c["C"],
+     "you counted the weights once per row of the batch. A step reads every weight ONCE and applies it "
+     "to all rows: that is why batching is cheap. Only the cache (and the looked-up rows) grow with it"),
+    ("cache left out", lambda c: _read(c),
+     "you left the KV cache out: a decode step also reads the cached keys and values of every position "
+     "of every row (chapter 4's formula)"),
+    ("cache for one row", lambda c: _read(c) + c["C"] // c["B"],
+     "you counted the cache of ONE row: every row of the batch has its own keys and values, so multiply "
+     "the cache by batch_size"),
+    ("tied head twice", lambda c: c["want"] + c["head"],
      "you counted the tied LM head twice: its weight IS the token-embedding matrix, one tensor read "
-     "once. model.parameters() lists it once (state_dict() and named_parameters(remove_duplicate="
-     "False) list it twice)"),
-    ("parameters, not bytes", lambda c: (c["W"] + c["C"]) // c["item"],
+     "once. model.parameters() lists it once (state_dict() and named_parameters(remove_duplicate=False) "
+     "list it twice)"),
+    ("parameters, not bytes", lambda c: c["want"] // c["item"],
      "you counted parameters and cached elements, not bytes: multiply each by its element size "
      "(p.element_size(), or dtype.itemsize)"),
-    ("weights as parameters", lambda c: c["W"] // c["item"] + c["C"],
-     "you counted the weights as a number of parameters, not bytes: multiply each by p.element_size()"),
-    ("4 bytes assumed", lambda c: (c["W"] + c["C"]) * 4 // c["item"],
+    ("4 bytes assumed", lambda c: c["want"] * 4 // c["item"],
      "you assumed 4 bytes per element (fp32) whatever the model's dtype: read it from the tensors "
      "(p.element_size(), or the model's dtype.itemsize for the cache)"),
-    ("query heads for key/value heads", lambda c: c["W"] + c["C"] * c["q_per_kv"],
+    ("query heads for key/value heads", lambda c: _read(c) + c["C"] * c["q_per_kv"],
      "you sized the cache with the number of QUERY heads: with grouped-query attention the cache holds "
      "num_key_value_heads heads (getattr(config, 'num_key_value_heads', num_attention_heads))"),
+    ("head_dim from the width", lambda c: _read(c) + round(c["C"] * c["dim_ratio"]),
+     "you took head_dim as hidden_size // num_attention_heads; a config may set head_dim explicitly "
+     "(getattr(config, 'head_dim', None) or hidden_size // num_attention_heads)"),
 ]
-
-
-def _call(fn, name, model_label, args):
-    try:
-        return fn(*args)
-    except Exception as e:  # noqa: BLE001 - the learner's exception becomes a pointed message
-        names = ("batch_size", "seq_len", "bandwidth", "flops")
-        shown = ", ".join(f"{k}={a!r}" for k, a in zip(names, args[1:]))
-        raise fail(name, f"your function raised {type(e).__name__}: {e} when called with "
-                         f"(<{model_label}>, {shown})") from e
 
 
 def _as_int(value, label):
@@ -120,90 +305,338 @@ def _as_int(value, label):
         raise fail(NAME_BYTES, f"{label}: return an int, got {type(value).__name__}") from None
 
 
-def _explain_bytes(case, got, cases, got_all) -> str:
-    for _, wrong, message in _MISTAKES:
-        if wrong(case) == got and all(wrong(c) == g for c, g in zip(cases, got_all)):
-            return message
-    if case["meta"] and got < case["W"]:
-        return ("on the meta device every tensor's data_ptr() is 0, so deduplicating by data_ptr keeps "
-                "one tensor: deduplicate by identity (model.parameters() already does)")
-    return (f"expected weights {case['W']:,} + cache {case['C']:,} bytes; you are off by "
-            f"{got - case['want']:+,}. Check each term")
+def _stale(cases, got, i):
+    """An answer that is right for another size of the same model: a result kept from another call."""
+    return next((j for j, c in enumerate(cases) if j != i and c["model"] is cases[i]["model"]
+                 and got[i] == c["want"] != cases[i]["want"]), None)
 
 
-def check_decode_step_bytes(decode_step_bytes) -> None:
-    """Grade ``decode_step_bytes(model, batch_size, seq_len) -> int`` against exact byte counts."""
-    cases = [_case(label, m, B, S) for (label, m), (B, S) in zip(_models(), _SIZES)]
-    got_all = []
-    for c in cases:
-        where = f"{c['label']}, batch_size={c['B']}, seq_len={c['S']}"
-        got_all.append(_as_int(_call(decode_step_bytes, NAME_BYTES, c["label"], (c["model"], c["B"], c["S"])),
-                               where))
-    for c, got in zip(cases, got_all):
-        if got != c["want"]:
-            why = _explain_bytes(c, got, cases, got_all)
-            raise fail(NAME_BYTES, f"{c['label']}, batch_size={c['B']}, seq_len={c['S']}: expected "
-                                   f"{c['want']:,} bytes, got {got:,}: {why}")
-    passed(NAME_BYTES, f"{len(cases)} models (GPT-2 and grouped-query, tied and untied heads, "
-                       "fp32/fp16/bf16, real and meta-device shapes) give their exact bytes per decode step")
+def _where_bytes(cases, got) -> str:
+    wrong = [(c, g) for c, g in zip(cases, got) if g != c["want"]]
+    right = [c["label"] for c, g in zip(cases, got) if g == c["want"]]
+    lines = "; ".join(f"{c['label']} (batch_size={c['B']}, seq_len={c['S']}): expected {c['want']:,} = weights "
+                      f"read {_read(c):,} + cache {c['C']:,}, got {g:,} ({g - c['want']:+,})" for c, g in wrong[:3])
+    return (f"no single known mistake explains all your answers. Wrong on {len(wrong)} of {len(cases)} cases: "
+            f"{lines}" + (f". Right on: {', '.join(right)}" if right else ""))
+
+
+def _grade_bytes(decode_step_bytes) -> None:
+    cases = [_case(*_models()[m], B, S) for m, B, S in _BYTE_CASES]
+    raw = _run_all(NAME_BYTES, decode_step_bytes, cases, lambda c: (c["model"], c["B"], c["S"]))
+    got = [_as_int(v, f"{c['label']}, batch_size={c['B']}, seq_len={c['S']}") for c, v in zip(cases, raw)]
+    if all(g == c["want"] for c, g in zip(cases, got)):
+        return passed(NAME_BYTES, f"{len(cases)} cases on {len(_models())} models (GPT-2 and grouped-query, "
+                                  "tied and untied heads, an explicit head_dim, fp32/fp16/bf16, real and "
+                                  "meta-device shapes) give their exact bytes per decode step")
+    for i, c in enumerate(cases):
+        j = _stale(cases, got, i)
+        if j is not None:
+            raise fail(NAME_BYTES, f"{c['label']}, batch_size={c['B']}, seq_len={c['S']}: you returned "
+                                   f"{got[i]:,}, the answer for batch_size={cases[j]['B']}, seq_len={cases[j]['S']}"
+                                   ": a result kept from another call. Compute from the arguments every time")
+    why = _explain(cases, got, _MISTAKES, lambda c: c["want"])
+    if why is None and all(g < c["W"] - c["L"] for c, g in zip(cases, got) if c["meta"] and g != c["want"]) \
+            and any(c["meta"] and g != c["want"] for c, g in zip(cases, got)):
+        why = ("on the meta device every tensor's data_ptr() is 0, so deduplicating by data_ptr keeps one "
+               "tensor: deduplicate by identity (model.parameters() already does)")
+    raise fail(NAME_BYTES, why or _where_bytes(cases, got))
+
+
+check_decode_step_bytes = _public(_grade_bytes)
+check_decode_step_bytes.__doc__ = ("Grade ``decode_step_bytes(model, batch_size, seq_len) -> int`` against "
+                                   "exact byte counts in chapter 7's convention.")
 
 
 # ---------------------------------------------------------------------------------------------------
 # The floor
 
-# Floor mistakes: the wrong time from the memory time m and the compute time f (and the cache's share).
-_FLOOR_MISTAKES = [
-    ("min", lambda m, f, c: min(m, f),
-     "you took the SMALLER of the two times: the step must do both, so it takes at least the larger "
-     "(max(bytes / bandwidth, flops_needed / flops))"),
-    ("sum", lambda m, f, c: m + f,
-     "you added the memory and compute times: a machine overlaps them, so the floor is the larger one"),
-    ("memory only", lambda m, f, c: m,
-     "you returned bytes / bandwidth only: at large batches the FLOPs take longer; return the larger "
-     "of the two times"),
-    ("compute only", lambda m, f, c: f,
-     "you returned the compute time only: a decode step at small batch is bound by the bytes it reads"),
-    ("milliseconds", lambda m, f, c: max(m, f) * 1e3, "return seconds, not milliseconds"),
-    ("no cache", lambda m, f, c: max(m - c, f),
-     "your memory time leaves the cache out: use decode_step_bytes (weights AND cache)"),
-]
-
 
 def _floor_cases():
-    model = grading_model()[0]
+    """(label, model, batch, seq, bandwidth, flops): three bound by memory, three by compute."""
+    tiny, hd = grading_model()[0], _models()[4][1]
     meta = roofline.meta_model("Llama-3.1-8B", torch.bfloat16)
-    return [  # (label, model, batch, seq, bandwidth, flops)
-        ("kvlab-tiny, a CPU-like machine", model, 2, 30, 20e9, 100e9),
-        ("kvlab-tiny, batch 64 on a machine with little compute", model, 64, 5, 500e9, 20e9),
+    raw = [
+        ("kvlab-tiny, a CPU-like machine", tiny, 2, 30, 20e9, 100e9),
+        ("the head_dim=16 Llama, long context on a CPU-like machine", hd, 3, 500, 20e9, 100e9),
         ("Llama-3.1-8B (meta), one row on an H100-like machine", meta, 1, 4000, 3.35e12, 700e12),
+        ("kvlab-tiny, batch 64 on a machine with little compute", tiny, 64, 5, 500e9, 20e9),
+        ("the head_dim=16 Llama, batch 40 on a machine with little compute", hd, 40, 3, 400e9, 10e9),
         ("Llama-3.1-8B (meta), batch 512 on an H100-like machine", meta, 512, 100, 3.35e12, 700e12),
     ]
+    out = []
+    for label, model, B, S, bw, fl in raw:
+        m, f = roofline.decode_step_bytes(model, B, S) / bw, roofline.decode_step_flops(model, B, S) / fl
+        out.append(dict(label=label, model=model, B=B, S=S, bw=bw, fl=fl, m=m, f=f, want=max(m, f),
+                        c=roofline.cache_read_bytes(model, B, S) / bw, mem=m >= f))
+    return out
+
+
+_FLOOR_MISTAKES = [
+    ("min", lambda c: min(c["m"], c["f"]),
+     "you took the SMALLER of the two times: the step must do both, so it takes at least the larger "
+     "(max(bytes / bandwidth, flops_needed / flops))"),
+    ("sum", lambda c: c["m"] + c["f"],
+     "you added the memory and compute times: a machine overlaps them, so the floor is the larger one"),
+    ("memory only", lambda c: c["m"],
+     "your answers equal bytes / bandwidth everywhere, so your compute time never counts: it is left out, "
+     "or too small (flops is in FLOP/s: no unit scaling). Where the FLOPs take longer (large batches) the "
+     "floor is theirs: return the larger of the two times"),
+    ("compute only", lambda c: c["f"],
+     "your answers equal the compute time everywhere, so your memory time never counts: it is left out, or "
+     "too small (bandwidth is in bytes/s: no GB scaling). A decode step at small batch is bound by the "
+     "bytes it reads"),
+    ("milliseconds", lambda c: c["want"] * 1e3, "return seconds, not milliseconds"),
+    ("swapped rates", lambda c: max(c["m"] * c["bw"] / c["fl"], c["f"] * c["fl"] / c["bw"]),
+     "you divided the bytes by flops and the FLOPs by bandwidth: bytes go with bandwidth (bytes/s), "
+     "FLOPs with flops (FLOP/s)"),
+    ("no cache", lambda c: max(c["m"] - c["c"], c["f"]),
+     "your memory time leaves the cache out: use your decode_step_bytes (weights AND cache)"),
+]
 
 
 def _as_seconds(value, label) -> float:
     if isinstance(value, bool) or isinstance(value, torch.Tensor) or not isinstance(value, numbers.Real):
-        raise fail(NAME_FLOOR, f"{label}: return a float number of seconds, "
-                               f"got {type(value).__name__} {value!r}")
+        raise fail(NAME_FLOOR, f"{label}: return a float number of seconds, got {type(value).__name__} {value!r}")
     return float(value)
 
 
-def check_step_time_floor(step_time_floor) -> None:
-    """Grade ``step_time_floor(model, batch_size, seq_len, bandwidth, flops) -> seconds``."""
-    n = 0
-    for label, model, B, S, bw, fl in _floor_cases():
-        args = (model, B, S, bw, fl)
-        where = f"{label} (batch_size={B}, seq_len={S}, bandwidth={bw:.3g} B/s, flops={fl:.3g} FLOP/s)"
-        got = _as_seconds(_call(step_time_floor, NAME_FLOOR, label, args), where)
-        m = roofline.decode_step_bytes(model, B, S) / bw
-        f = roofline.decode_step_flops(model, B, S) / fl
-        want, n = max(m, f), n + 1
-        if math.isclose(got, want, rel_tol=1e-6):
-            continue
-        c = roofline.cache_read_bytes(model, B, S) / bw
-        why = next((msg for _, wrong, msg in _FLOOR_MISTAKES
-                    if math.isclose(got, wrong(m, f, c), rel_tol=1e-6)),
-                   "check decode_step_bytes first (check_decode_step_bytes), then return "
-                   "max(decode_step_bytes(...) / bandwidth, decode_step_flops(...) / flops)")
-        raise fail(NAME_FLOOR, f"{where}: moving the bytes takes {m:.4g} s, the FLOPs {f:.4g} s, so the "
-                               f"floor is {want:.4g} s; you returned {got:.4g}: {why}")
-    passed(NAME_FLOOR, f"{n} cases, memory-bound and compute-bound, real and meta-device models")
+def _close(a, b):
+    return math.isclose(a, b, rel_tol=1e-6)
+
+
+def _which_term(cases, got) -> str | None:
+    """Right wherever one term binds and wrong wherever the other does: name that term."""
+    ok = [_close(g, c["want"]) for c, g in zip(cases, got)]
+    mem_ok = all(o for o, c in zip(ok, cases) if c["mem"])
+    comp_ok = all(o for o, c in zip(ok, cases) if not c["mem"])
+    if mem_ok and not comp_ok:
+        return ("your answers are right wherever the bytes bound the step and wrong wherever the FLOPs do: "
+                "check the compute term, decode_step_flops(model, batch_size, seq_len) / flops, and the max")
+    if comp_ok and not mem_ok:
+        return ("your answers are right wherever the FLOPs bound the step and wrong wherever the bytes do: "
+                "check the memory term (is it your decode_step_bytes, graded above, over bandwidth?)")
+    ratios = {round(math.log10(g / c["want"]), 6) for c, g in zip(cases, got) if g > 0}
+    if len(ratios) == 1 and (r := ratios.pop()) == round(r) and r != 0:
+        return (f"every answer is off by a factor 1e{int(r)}: a unit. bandwidth is in bytes/s, flops in "
+                "FLOP/s, and the answer in seconds")
+    return None
+
+
+def _grade_floor(step_time_floor) -> None:
+    cases = _floor_cases()
+    raw = _run_all(NAME_FLOOR, step_time_floor, cases, lambda c: (c["model"], c["B"], c["S"], c["bw"], c["fl"]))
+    got = [_as_seconds(v, c["label"]) for c, v in zip(cases, raw)]
+    bad = [(c, g) for c, g in zip(cases, got) if not _close(g, c["want"])]
+    if not bad:
+        return passed(NAME_FLOOR, f"{len(cases)} cases, bound by memory and by compute, real and meta-device "
+                                  "models, an explicit head_dim")
+    why = _explain(cases, got, _FLOOR_MISTAKES, lambda c: c["want"], _close) or _which_term(cases, got)
+    c, g = bad[0]
+    where = (f"{c['label']} (batch_size={c['B']}, seq_len={c['S']}, bandwidth={c['bw']:.3g} B/s, "
+             f"flops={c['fl']:.3g} FLOP/s): moving the bytes takes {c['m']:.4g} s, the FLOPs {c['f']:.4g} s, so "
+             f"the floor is {c['want']:.4g} s; you returned {g:.4g}")
+    raise fail(NAME_FLOOR, f"{where}: " + (why or f"wrong on {len(bad)} of {len(cases)} cases and no single "
+                                                   "known mistake explains them all; check each term"))
+
+
+check_step_time_floor = _public(_grade_floor)
+check_step_time_floor.__doc__ = "Grade ``step_time_floor(model, batch_size, seq_len, bandwidth, flops) -> seconds``."
+
+
+# ---------------------------------------------------------------------------------------------------
+# Predictions: which term bounds a step, and the critical batch at its context
+
+BOUNDS = ("weights", "cache", "compute")
+
+
+def _crit_cases():
+    """(label, model, batch, seq, bandwidth, flops): every bound, a critical batch of 1, contexts at
+    which no batch is compute-bound, and the same model at several contexts."""
+    tiny, hd = grading_model()[0], _models()[4][1]
+    gpt2m, llama = _models()[6][1], _models()[7][1]
+    raw = [
+        ("kvlab-tiny, short context, a CPU-like machine", tiny, 1, 8, 20e9, 200e9),
+        ("kvlab-tiny, 300 positions, batch 16, a CPU-like machine", tiny, 16, 300, 20e9, 200e9),
+        ("kvlab-tiny, 50 positions, batch 24, a CPU-like machine", tiny, 24, 50, 20e9, 200e9),
+        ("kvlab-tiny, 200 positions, batch 32, a CPU-like machine", tiny, 32, 200, 20e9, 200e9),
+        ("the head_dim=16 Llama, a machine with little compute", hd, 2, 10, 400e9, 4e9),
+        ("gpt2-medium (meta, fp16), zero context, an H100-like machine", gpt2m, 8, 0, 3.35e12, 990e12),
+        ("gpt2-medium (meta, fp16), 900 positions, an H100-like machine", gpt2m, 8, 900, 3.35e12, 990e12),
+        ("Llama-3.1-8B (meta, bf16), 512 positions, an H100-like machine", llama, 64, 512, 3.35e12, 990e12),
+        ("Llama-3.1-8B (meta, bf16), 32k positions, a fp32-rate machine", llama, 4, 32768, 3.35e12, 60e12),
+        ("Llama-3.1-8B (meta, bf16), 1,000 positions, a fp32-rate machine", llama, 200, 1000, 3.35e12, 60e12),
+    ]
+    out = []
+    for label, model, B, S, bw, fl in raw:
+        t = roofline.step_terms(model, B, S, bw, fl)
+        out.append(dict(label=label, model=model, B=B, S=S, bw=bw, fl=fl, bound=t["bound"], terms=t,
+                        crit=roofline.critical_batch(model, S, bw, fl),
+                        crit0=roofline.critical_batch(model, 0, bw, fl),
+                        shared=_all_shared(model, S, bw, fl)))
+    return out
+
+
+def _all_shared(model, S, bw, fl):
+    """The critical batch if every byte were shared by the batch (no cache, no looked-up rows)."""
+    w = roofline.decode_step_bytes(model, 1, S) / bw
+    f = roofline.decode_step_flops(model, 1, S) / fl
+    return math.floor(w / f) + 1
+
+
+_CRIT_MISTAKES = [
+    ("zero context", lambda c: c["crit0"],
+     "your critical batch is the one at ZERO context whatever seq_len is: each row's cache adds bytes "
+     "that grow with the context, so the batch at which compute catches up moves out (or vanishes)"),
+    ("every byte shared", lambda c: c["shared"],
+     "you treated every byte of the step as shared by the batch: the weights are, but each row reads "
+     "its own cache (and its own embedding rows), which grow with the batch as the FLOPs do"),
+    ("one too many", lambda c: None if c["crit"] is None else c["crit"] + 1,
+     "off by one, too large: the critical batch is the SMALLEST batch whose compute time exceeds its "
+     "memory time"),
+    ("one too few", lambda c: None if c["crit"] is None else max(c["crit"] - 1, 1),
+     "off by one, too small: at that batch the compute time does not exceed the memory time yet"),
+]
+
+
+def _check_pair(c, out):
+    if not isinstance(out, (tuple, list)) or len(out) != 2:
+        raise fail(NAME_CRIT, f"{c['label']}: return a pair (bound, critical_batch), got {out!r}")
+    bound, crit = out
+    if bound not in BOUNDS:
+        hint = " (name WHICH memory term: 'weights' or 'cache')" if str(bound).lower() in ("memory", "bytes") else ""
+        raise fail(NAME_CRIT, f"{c['label']}: the bound must be one of {BOUNDS}, got {bound!r}{hint}")
+    if crit is not None and (isinstance(crit, bool) or not isinstance(crit, numbers.Integral) or crit < 1):
+        raise fail(NAME_CRIT, f"{c['label']}: the critical batch must be a positive int or None, got {crit!r}")
+    return bound, None if crit is None else int(crit)
+
+
+def _bound_message(c, bound):
+    t = c["terms"]
+    return (f"{c['label']} (batch_size={c['B']}, seq_len={c['S']}): reading the weights takes {t['weights']:.3g} s, "
+            f"the cache {t['cache']:.3g} s, the FLOPs {t['compute']:.3g} s; you said {bound!r}, the step is bound "
+            f"by {c['bound']!r}: compute if the FLOPs take longer than ALL the bytes (weights + cache), else the "
+            "larger of the two byte terms")
+
+
+def _crit_message(cases, crits):
+    why = _explain(cases, crits, _CRIT_MISTAKES, lambda c: c["crit"])
+    c, got = next((c, g) for c, g in zip(cases, crits) if g != c["crit"])
+    where = f"{c['label']} (seq_len={c['S']}): the critical batch is {c['crit']}, you said {got}"
+    if why:
+        return f"{where}: {why}"
+    if c["crit"] is None:
+        return (f"{where}: at this context each added row brings more bytes (its cache) than its FLOPs can "
+                "cover at this machine's rates, so NO batch is compute-bound: return None")
+    if got is None:
+        return (f"{where}: a batch of {c['crit']} is compute-bound here; None is only for contexts where "
+                "each row's own bytes take longer than its FLOPs")
+    return where + ": both counts are linear in the batch; solve compute time > memory time for it"
+
+
+def _grade_crit(bound_and_critical) -> None:
+    cases = _crit_cases()
+    raw = _run_all(NAME_CRIT, bound_and_critical, cases,
+                   lambda c: (c["model"], c["B"], c["S"], c["bw"], c["fl"]))
+    pairs = [_check_pair(c, out) for c, out in zip(cases, raw)]
+    for c, (bound, _) in zip(cases, pairs):
+        if bound != c["bound"]:
+            raise fail(NAME_CRIT, _bound_message(c, bound))
+    crits = [crit for _, crit in pairs]
+    if any(g != c["crit"] for c, g in zip(cases, crits)):
+        raise fail(NAME_CRIT, _crit_message(cases, crits))
+    passed(NAME_CRIT, f"{len(cases)} cases: every bound, critical batches from 1 up, contexts with none, an "
+                      "explicit head_dim, GPT-2 and grouped-query models")
+
+
+check_bound_and_critical = _public(_grade_crit)
+check_bound_and_critical.__doc__ = ("Grade ``bound_and_critical(model, batch_size, seq_len, bandwidth, flops) "
+                                    "-> (bound, critical_batch)``.")
+
+
+# ---------------------------------------------------------------------------------------------------
+# The measurement: a sweep past the predicted bend, and the measurement set against the prediction
+
+
+def _grade_sweep(batches, model, seq_len: int, bandwidth: float, flops: float,
+                 budget_bytes: float = 2 * 2**30) -> None:
+    """``batches`` must reach twice the critical batch that ``bandwidth`` and ``flops`` predict for
+    ``model`` at ``seq_len`` (two points below it, two above) unless there is none, or the cache of
+    twice that batch exceeds the lab's budget (then it cannot be seen here, and the lab says so)."""
+    if not isinstance(batches, (list, tuple)) or not batches or any(
+            isinstance(b, bool) or not isinstance(b, numbers.Integral) or b < 1 for b in batches):
+        raise fail(NAME_SWEEP, f"BATCHES must be a list of positive ints, got {batches!r}")
+    if list(batches) != sorted(set(batches)):
+        raise fail(NAME_SWEEP, f"BATCHES must grow strictly, got {list(batches)}")
+    critical = roofline.critical_batch(model, seq_len, bandwidth, flops)
+    if critical is None:
+        return passed(NAME_SWEEP, f"no batch is compute-bound at {seq_len} positions on this machine: there is no "
+                                  "bend to reach, and the sweep shows the step growing only through the cache")
+    need = roofline.cache_read_bytes(model, 2 * critical, seq_len)
+    if need > budget_bytes:
+        return passed(NAME_SWEEP, f"the cache at twice the critical batch ({2 * critical}) would take "
+                                  f"{need / 2**30:.1f} GiB, beyond the lab's budget: the bend cannot be reached "
+                                  "here; say so beside your plot")
+    below, above = [b for b in batches if b < critical], [b for b in batches if b > critical]
+    need_below = min(2, critical - 1)              # a critical batch of 1 or 2 leaves less room below
+    if len(below) < need_below or len(above) < 2 or max(batches) < 2 * critical:
+        raise fail(NAME_SWEEP, f"the critical batch predicted for this machine is {critical}: measure at least "
+                               f"{need_below} batch(es) below it and two above, the largest at least {2 * critical}, "
+                               f"so that the bend can be seen; BATCHES is {list(batches)}")
+    passed(NAME_SWEEP, f"the sweep {list(batches)} reaches past the predicted critical batch {critical}")
+
+
+check_sweep_plan = _public(_grade_sweep)
+
+
+def _fit_cases():
+    """(floors, measured, overhead, k): exact lines, a noisy one, and one whose floors are unsorted."""
+    g = torch.Generator().manual_seed(7)
+    f1 = [1e-4, 2e-4, 4e-4, 8e-4]
+    f2 = [3e-3, 3.1e-3, 3.5e-3, 5e-3, 9e-3]
+    f3 = [2e-5, 9e-5, 4e-5, 1.6e-4]
+    noisy = [2e-3 + 1.7 * f + 1e-5 * float(torch.randn(1, generator=g)) for f in f2]
+    out = [(f1, [5e-3 + 1.5 * f for f in f1]), (f2, noisy), (f3, [2e-4 + 3.0 * f for f in f3])]
+    return [(f, m, *_lstsq(f, m)) for f, m in out]
+
+
+def _lstsq(floors, measured):
+    n = len(floors)
+    mf, mm = sum(floors) / n, sum(measured) / n
+    k = sum((f - mf) * (m - mm) for f, m in zip(floors, measured)) / sum((f - mf) ** 2 for f in floors)
+    return mm - k * mf, k
+
+
+_FIT_MISTAKES = [
+    ("through the origin", lambda c: (0.0, sum(f * m for f, m in zip(c[0], c[1])) / sum(f * f for f in c[0])),
+     "you fitted measured = k x floor through the origin: the fixed cost per step (Python, dispatch, "
+     "launches) is what the intercept measures; fit measured = overhead + k x floor"),
+    ("swapped", lambda c: _lstsq(c[1], c[0]),
+     "you fitted the floor against the measurement: fit measured (y) against the floor (x)"),
+    ("ratio", lambda c: (0.0, sum(m / f for f, m in zip(c[0], c[1])) / len(c[0])),
+     "you averaged measured / floor: that mixes the fixed overhead into k; fit a line with an intercept"),
+]
+
+
+def _grade_fit(overhead_fit) -> None:
+    cases = [dict(label=f"fit case {i + 1}", model=torch.nn.Linear(1, 1), f=f, m=m, want=(a, k))
+             for i, (f, m, a, k) in enumerate(_fit_cases())]
+    raw = _run_all(NAME_FIT, lambda model, f, m: overhead_fit(list(f), list(m)), cases,
+                   lambda c: (c["model"], c["f"], c["m"]), handed_in=overhead_fit)
+    got = []
+    for c, out in zip(cases, raw):
+        if not isinstance(out, (tuple, list)) or len(out) != 2 or not all(isinstance(v, numbers.Real) for v in out):
+            raise fail(NAME_FIT, f"{c['label']}: return a pair of numbers (overhead_seconds, k), got {out!r}")
+        got.append(tuple(float(v) for v in out))
+    close = lambda a, b: all(math.isclose(x, y, rel_tol=1e-4, abs_tol=1e-9) for x, y in zip(a, b))
+    if all(close(g, c["want"]) for c, g in zip(cases, got)):
+        return passed(NAME_FIT, f"{len(cases)} sets of (floor, measured) give the least-squares overhead and k")
+    why = _explain([(c["f"], c["m"]) for c in cases], got, _FIT_MISTAKES,
+                   lambda c: _lstsq(c[0], c[1]), close)
+    c, g = next((c, g) for c, g in zip(cases, got) if not close(g, c["want"]))
+    raise fail(NAME_FIT, f"floors {c['f']}, measured {[round(m, 7) for m in c['m']]}: the least-squares line is "
+                         f"overhead {c['want'][0]:.4g} s, k {c['want'][1]:.4g}; you returned {g[0]:.4g}, {g[1]:.4g}"
+                         + (f": {why}" if why else ""))
+
+
+check_overhead_fit = _public(_grade_fit)
+check_overhead_fit.__doc__ = "Grade ``overhead_fit(floors, measured) -> (overhead_seconds, k)`` (least squares)."

@@ -1,18 +1,39 @@
-"""Lab 9 graders: a block allocator, a paged gather, and serving a stream of requests through both.
+"""Lab 9 graders: a block allocator, a paged gather, serving a stream of requests through both, a
+scheduler's decision and a prefix cache's lookup and eviction.
 
 ``check_block_allocator`` replays scripted scenarios (sequences growing across block boundaries,
-forks, copy-on-write, frees while shared, a pool that runs out) against a shadow of what every
-block table and reference count must be, and stops at the first operation that breaks it, naming
-the mistake. Block ids are never compared with ours: any free-list order is correct.
+forks, copy-on-write, frees while shared, a pool that runs out, also in the middle of a copy) against
+a shadow of what every block table and reference count must be, and stops at the first operation
+that breaks it, naming the mistake. Block ids are never compared with ours: any free-list order is
+correct, and any integer type (numpy's too) is accepted as a block id, as the engine accepts it.
+The scheduler and prefix-cache graders are in :mod:`kvlab.checks.lab09_serving`.
 """
 
 from __future__ import annotations
+
+import numbers
 
 import torch
 
 from ._common import GRADER_TEXTS, fail, grading_model, passed
 
 NAME_ALLOC, NAME_GATHER, NAME_GEN = "check_block_allocator", "check_paged_gather", "check_paged_generate"
+_CONTRACT = ("allocate", "fork", "append_slot", "free", "block_table", "refcount", "num_free")
+
+
+def _is_block_id(b) -> bool:
+    return isinstance(b, numbers.Integral) and not isinstance(b, bool)
+
+
+def library_copy(candidate, reference, names=()) -> bool:
+    """True when the candidate is the library's own reference, or a subclass of it that writes none of
+    ``names`` (every one of them, when ``names`` is empty): the learner handed in kvlab's answer."""
+    if candidate is reference:
+        return True
+    if not (isinstance(candidate, type) and issubclass(candidate, reference)):
+        return False
+    own = {k for c in candidate.__mro__ if c is not reference and issubclass(c, reference) for k in vars(c)}
+    return not (own & set(names)) if names else not any(callable(getattr(candidate, k, None)) for k in own)
 
 
 def _ceil(n: int, bs: int) -> int:
@@ -45,6 +66,9 @@ _SCENARIOS = [
     ("blocks reused after frees", 3, 2,
      [("alloc", 1, 6), ("free", 1), ("alloc", 2, 5), ("append", 2), ("free", 2), ("alloc", 3, 2),
       ("fork", 3, 4), ("append", 4), ("free", 3), ("free", 4), ("alloc", 5, 6), ("free", 5)]),
+    ("a copy-on-write that finds the pool empty, then succeeds once a block is free", 4, 4,
+     [("alloc", "p", 6), ("fork", "p", "c"), ("alloc", "x", 8), ("append_full", "c"), ("free", "x"),
+      ("append", "c"), ("append", "p"), ("free", "p"), ("free", "c")]),
 ]
 
 
@@ -72,9 +96,20 @@ class _Shadow:
 
     def table(self, s) -> list:
         t = self.call(f"block_table({s!r})", self.a.block_table, s)
-        if not isinstance(t, (list, tuple)) or not all(isinstance(b, int) for b in t):
-            raise self.fail(f"block_table({s!r}) must be a list (or tuple) of int block ids, got {t!r}")
-        return list(t)
+        if not isinstance(t, (list, tuple)) or not all(_is_block_id(b) for b in t):
+            raise self.fail(f"block_table({s!r}) must be a list (or tuple) of integer block ids, got {t!r}")
+        return [int(b) for b in t]
+
+    def no_alias(self, s, returned, what) -> None:
+        """A caller that changes a table it was handed must not change the allocator's own."""
+        if not isinstance(returned, list) or not returned:
+            return
+        before = self.table(s)
+        returned.append(-7)
+        returned[0] = -7
+        if self.table(s) != before:
+            raise self.fail(f"{what} returned the allocator's own list: the caller appended to it and "
+                            f"block_table({s!r}) changed to {self.table(s)}; return a copy (list(table))")
 
     def users(self, block, but=None) -> list:
         return [s for s, t in self.tables.items() if block in t and s != but]
@@ -103,10 +138,14 @@ class _Shadow:
         if got < want:
             raise self.fail(f"after {op}, num_free is {got} but {want} blocks are unused: {want - got} block(s) "
                             "leaked (a block must return to the free list when its refcount drops to 0)")
+        for b in range(self.nb):
+            if b not in used and self.call(f"refcount({b})", self.a.refcount, b) != 0:
+                raise self.fail(f"after {op}, refcount({b}) is {self.a.refcount(b)} but no table holds block {b}: "
+                                "a free block's reference count is 0")
 
 
 def _alloc(sh: _Shadow, s, n: int) -> None:
-    got = sh.call(f"allocate({s!r}, {n})", sh.a.allocate, s, n)
+    got = ret = sh.call(f"allocate({s!r}, {n})", sh.a.allocate, s, n)
     op, need = f"allocate({s!r}, {n})", _ceil(n, sh.bs)
     if not isinstance(got, (list, tuple)):
         raise sh.fail(f"{op} must return the block table (a list of ints), got {got!r}")
@@ -115,12 +154,17 @@ def _alloc(sh: _Shadow, s, n: int) -> None:
                if len(got) == need + 1 else "too few: round up, the last block may be partly filled"
                if len(got) == n // sh.bs else "wrong count")
         raise sh.fail(f"{op} returned {len(got)} blocks; {n} tokens need ceil({n}/{sh.bs}) = {need}: {why}")
+    if not all(_is_block_id(b) for b in got):
+        raise sh.fail(f"{op} must return integer block ids, got {got!r}")
+    got = [int(b) for b in got]
     for b in got:
         if sh.users(b) or list(got).count(b) > 1:
             raise sh.fail(f"{op} handed out block {b}, which {sh.users(b) or s!r} already holds: a block may be "
                           "given out again only after its refcount fell to 0")
     sh.tables[s], sh.lens[s] = list(got), n
     sh.verify(op)
+    sh.no_alias(s, ret, op)
+    sh.no_alias(s, sh.call(f"block_table({s!r})", sh.a.block_table, s), f"block_table({s!r})")
 
 
 def _append(sh: _Shadow, s) -> None:
@@ -130,6 +174,9 @@ def _append(sh: _Shadow, s) -> None:
     if not isinstance(res, (tuple, list)) or len(res) != 3:
         raise sh.fail(f"{op} must return (block, offset, copy_from), got {res!r}")
     block, offset, copy_from = res
+    if not all(_is_block_id(x) for x in (block, offset)) or not (copy_from is None or _is_block_id(copy_from)):
+        raise sh.fail(f"{op} must return integer (block, offset) and copy_from None or a block, got {res!r}")
+    block, offset, copy_from = int(block), int(offset), None if copy_from is None else int(copy_from)
     new, boundary, shared = sh.table(s), n == len(old) * bs, bool(sh.users(old[-1], but=s)) if old else False
     if boundary and len(new) == len(old):
         raise sh.fail(f"{op}: its {len(old)} blocks of {bs} are full, yet no block was added (you returned "
@@ -179,6 +226,15 @@ def _must_raise(sh: _Shadow, op: str, fn, *args) -> None:
         if _num_free(sh.a) != before:
             raise sh.fail(f"{op} raised (good) but num_free went from {before} to {_num_free(sh.a)}: check that "
                           "enough blocks are free BEFORE taking any, or the ones taken leak") from None
+        for s, t in sh.tables.items():
+            if sh.table(s) != t:
+                raise sh.fail(f"{op} raised (good) but the table of {s!r} changed from {t} to {sh.table(s)}: a "
+                              "failed call must change nothing (take the new block before touching the table)")
+        for b in {b for t in sh.tables.values() for b in t}:
+            if sh.a.refcount(b) != len(sh.users(b)):
+                raise sh.fail(f"{op} raised (good) but refcount({b}) is now {sh.a.refcount(b)}, not "
+                              f"{len(sh.users(b))}: a reference was dropped before the copy's new block was "
+                              "taken; take the block first, then change the counts")
         return
     raise sh.fail(f"{op} needs a block more than the {before} free: it must raise an error (the pool is full), "
                   f"but it returned {got!r}")
@@ -202,6 +258,11 @@ def _run_op(sh: _Shadow, kind: str, *args) -> None:
 
 def check_block_allocator(BlockAllocator) -> None:
     """Grade ``BlockAllocator(num_blocks, block_size)`` on scripted scenarios against a shadow."""
+    from ..paged import BlockAllocator as Library
+
+    if library_copy(BlockAllocator, Library):
+        raise fail(NAME_ALLOC, "you handed in kvlab.paged.BlockAllocator, the library's own allocator: write "
+                               "your own class in the lab's cell and grade that")
     n_ops = 0
     for title, nb, bs, ops in _SCENARIOS:
         try:
@@ -215,7 +276,8 @@ def check_block_allocator(BlockAllocator) -> None:
             _run_op(sh, kind, *args)
             n_ops += 1
     passed(NAME_ALLOC, f"{len(_SCENARIOS)} scenarios, {n_ops} operations: tables, refcounts, copy-on-write, "
-                       "boundaries, frees while shared and a full pool all right, nothing leaked")
+                       "boundaries, frees while shared, a full pool (also mid-copy) all right, tables handed "
+                       "out as copies, nothing leaked")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -253,6 +315,11 @@ _GATHER_CASES = [
 
 def check_paged_gather(paged_gather) -> None:
     """Grade ``paged_gather(pool, block_table, seq_len) -> [heads, seq_len, head_dim]``."""
+    from ..paged import paged_gather as library
+
+    if paged_gather is library:
+        raise fail(NAME_GATHER, "you handed in kvlab.paged.paged_gather, the library's own: write your own "
+                                "function in the lab's cell and grade that")
     g = torch.Generator().manual_seed(909)
     for nb, H, bs, D, table, n, dt in _GATHER_CASES:
         pool = torch.randn(nb, H, bs, D, generator=g).to(dt)
@@ -264,12 +331,27 @@ def check_paged_gather(paged_gather) -> None:
             raise fail(NAME_GATHER, f"{where}: paged_gather raised {type(e).__name__}: {e}") from e
         if not torch.equal(pool, saved):
             raise fail(NAME_GATHER, f"{where}: paged_gather modified the pool; only read it")
-        _check_gathered(out, pool, table, n, where)
+        _check_gathered(out, pool, table, n, where, paged_gather)
     passed(NAME_GATHER, f"{len(_GATHER_CASES)} block tables (out of id order, at and around block boundaries, "
                         "a tuple, three dtypes) gathered exactly")
 
 
-def _check_gathered(out, pool, table, n, where) -> None:
+# A second input on which every mistake of the table gives a result of its own (a table out of order,
+# neither sorted nor reversed, not the pool's first blocks): a diagnosis is named only if it holds here too.
+_CONFIRM = (10, 2, 3, 4, [7, 2, 9, 4], 11)
+
+
+def _confirmed(wrong, paged_gather) -> bool:
+    nb, H, bs, D, table, n = _CONFIRM
+    pool = torch.randn(nb, H, bs, D, generator=torch.Generator().manual_seed(5))
+    try:
+        out = paged_gather(pool, list(table), n)
+        return isinstance(out, torch.Tensor) and out.shape == (H, n, D) and torch.equal(out, wrong(pool, table, n))
+    except Exception:  # noqa: BLE001
+        return False
+
+
+def _check_gathered(out, pool, table, n, where, paged_gather) -> None:
     H, bs, D = pool.shape[1], pool.shape[2], pool.shape[3]
     if not isinstance(out, torch.Tensor) or out.dim() != 3:
         raise fail(NAME_GATHER, f"{where}: return a tensor [heads, seq_len, head_dim], got "
@@ -285,7 +367,7 @@ def _check_gathered(out, pool, table, n, where) -> None:
     if torch.equal(out, _reference_gather(pool, table, n)):
         return
     for wrong, why in _GATHER_MISTAKES:
-        if torch.equal(out, wrong(pool, table, n)):
+        if torch.equal(out, wrong(pool, table, n)) and _confirmed(wrong, paged_gather):
             raise fail(NAME_GATHER, f"{where}: {why}")
     raise fail(NAME_GATHER, f"{where}: wrong values; position p must be pool[block_table[p // block_size], :, "
                             "p % block_size]")
@@ -293,10 +375,6 @@ def _check_gathered(out, pool, table, n, where) -> None:
 
 # ---------------------------------------------------------------------------------------------------
 # check_paged_generate
-
-
-class _Verdict(Exception):
-    """A grader's own finding raised inside the serving run (told apart from the learner's exceptions)."""
 
 
 def _workload(tok):
@@ -308,57 +386,65 @@ def _workload(tok):
     return prefix, reqs
 
 
+_NB = 12   # blocks: a pool that binds for this workload (preemptions happen)
+
+
 def _serve(model, prefix, reqs, alloc_cls, gather):
+    """The engine of chapter 9 on the learner's pieces: a pool that binds (preemption), a shared prefix
+    (copy-on-write), free lists shuffled first (tables out of id order). Returns the engine."""
     from ..serving import Engine
 
-    eng = Engine(model, num_blocks=40, block_size=4, max_batch=3, allocator_cls=alloc_cls, gather=gather)
-    alloc = eng.cache.allocator   # shuffle the free list: block tables must not come out in id order
-    for i in range(40):
+    eng = Engine(model, num_blocks=_NB, block_size=4, max_num_batched_tokens=12, max_num_seqs=3,
+                 allocator_cls=alloc_cls, gather=gather)
+    alloc = eng.blocks.a
+    for i in range(_NB):
         alloc.allocate(("warm-up", i), 4)
-    for i in torch.randperm(40, generator=torch.Generator().manual_seed(9)).tolist():
+    for i in torch.randperm(_NB, generator=torch.Generator().manual_seed(9)).tolist():
         alloc.free(("warm-up", i))
-    if eng.cache.num_free != 40:
-        raise _Verdict(NAME_GEN, f"40 one-block sequences allocated then freed, yet {eng.cache.num_free} of 40 blocks "
-                             "are free: blocks leaked (a block returns to the free list at refcount 0)")
+    if eng.blocks.num_free != _NB:
+        raise fail(NAME_GEN, f"{_NB} one-block sequences allocated then freed, yet {eng.blocks.num_free} of {_NB} blocks are "
+                             "free: blocks leaked (a block returns to the free list at refcount 0)")
     eng.add_prefix(prefix)
     for prompt, m in reqs:
         eng.submit(prompt, m)
-    return eng, eng.run()
+    eng.run()
+    return eng
 
 
 def check_paged_generate(BlockAllocator, paged_gather) -> None:
-    """The hand-built GPT-2 serves a stream of requests (continuous batching, a shared prefix) through
-    your ``BlockAllocator`` and ``paged_gather``; every request's tokens must equal that prompt alone."""
+    """The hand-built GPT-2 serves a stream of requests (chapter 9's engine: ragged steps, preemption, a
+    shared prefix) through your ``BlockAllocator`` and ``paged_gather``; every request's tokens must equal
+    that prompt alone, and no block may leak."""
     from ..gpt2 import GPT2
     from ..paged import BlockAllocator as RefAllocator
-    from ..serving import reference_tokens
+    from ..servingbench import References
 
     hf, tok = grading_model()
     model = GPT2.from_hf(hf)
     prefix, reqs = _workload(tok)
     try:
-        eng, done = _serve(model, prefix, reqs, BlockAllocator, paged_gather)
-    except _Verdict as v:
-        raise fail(*v.args) from None
+        eng = _serve(model, prefix, reqs, BlockAllocator, paged_gather)
+    except (AssertionError, NotImplementedError):
+        raise
     except Exception as e:  # noqa: BLE001
-        raise fail(NAME_GEN, f"serving {len(reqs)} requests (40 blocks of 4, at most 3 rows a step, a shared "
-                             f"10-token prefix) with your pieces raised {type(e).__name__}: {e}") from e
-    for r in done:
-        want = reference_tokens(model, r.prompt, r.max_new_tokens)
-        if r.tokens == want:
-            continue
-        i = next(j for j, (a, b) in enumerate(zip(r.tokens, want)) if a != b) if len(r.tokens) == len(want) else 0
-        detail = (f"request {r.rid} ({len(r.prompt)}-token prompt{', shares the prefix' if r.prefix else ''}, "
-                  f"finished at step {r.finished_step}): new token #{i + 1} differs from the prompt served alone")
-        if [x.tokens for x in _serve(model, prefix, reqs, RefAllocator, paged_gather)[1]] == [
-                reference_tokens(model, x.prompt, x.max_new_tokens) for x in done]:
+        raise fail(NAME_GEN, f"serving {len(reqs)} requests ({_NB} blocks of 4, at most 3 sequences and 12 tokens a "
+                             f"step, a shared 10-token prefix) with your pieces raised {type(e).__name__}: {e}") from e
+    refs = References(model)
+    bad = [s for s in eng.seqs.values() if s.output != refs(s)]
+    if bad:
+        s = bad[0]
+        why = f" ({s.error})" if s.error else ""
+        detail = (f"request {s.rid} ({len(s.prompt)}-token prompt, {s.preemptions} preemption(s), status "
+                  f"{s.status.value}{why}): its tokens differ from the prompt served alone")
+        if not References(model).mismatches(_serve(model, prefix, reqs, RefAllocator, paged_gather)):
             raise fail(NAME_GEN, f"{detail}. With the library's allocator and your gather it is right, so the "
                                  "bug is in your BlockAllocator: run check_block_allocator")
         raise fail(NAME_GEN, f"{detail}. It stays wrong with the library's allocator, so look at your "
                              "paged_gather: run check_paged_gather")
     eng.close()
-    if eng.cache.num_free != 40:
-        raise _Verdict(NAME_GEN, f"every request has finished and the prefix is released, yet only "
-                             f"{eng.cache.num_free} of 40 blocks are free: blocks leaked")
-    passed(NAME_GEN, f"{len(reqs)} requests joining and leaving a batch of 3 (a shared prefix, {eng.cache.copies} "
-                     "copy-on-write copies): every one equals its prompt served alone; no block leaked")
+    if eng.blocks.num_free != _NB:
+        raise fail(NAME_GEN, f"every request has finished and the prefix is released, yet only "
+                             f"{eng.blocks.num_free} of {_NB} blocks are free: blocks leaked")
+    passed(NAME_GEN, f"{len(reqs)} requests through ragged steps ({eng.scheduler.preemptions} preemptions, "
+                     f"{eng.blocks.copies} copy-on-write copies): every one equals its prompt served alone; "
+                     "no block leaked")

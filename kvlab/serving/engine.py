@@ -1,0 +1,205 @@
+"""The engine: requests in, tokens out, one model call per step (chapter 9).
+
+    eng = Engine(model, num_blocks=64, block_size=16, max_num_batched_tokens=128)
+    seq = eng.submit(prompt_ids, max_new_tokens=32, arrival=0.5)
+    eng.run()                    # or: while eng.step(): ...
+    seq.output, seq.status
+
+The pieces are small and apart, as in nano-vllm: :class:`~kvlab.serving.sequence.Sequence` (a
+request's tokens, blocks and status), :class:`~kvlab.serving.block_manager.BlockManager` (blocks,
+references, copy-on-write, the prefix cache), :class:`~kvlab.serving.scheduler.Scheduler` (who runs
+next and how many tokens), :class:`~kvlab.serving.runner.Runner` (one forward per step),
+:class:`~kvlab.serving.clock.Clock` and :class:`~kvlab.serving.clock.Trace` (time and records).
+
+Bad input is refused at :meth:`Engine.submit`, before any work. A request that still fails inside a
+step (its forward raises) fails alone: its status says why, its blocks are freed, and the step is
+completed for the others.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+
+from ..paged import PagedKVCache, blocks_for
+from .block_manager import AllocatorBlocks, BlockManager
+from .clock import Clock, Trace
+from .runner import Runner
+from .scheduler import Scheduler
+from .sequence import Sequence, Status
+
+
+def _int(name: str, v, lo: int, hi: int | None = None) -> int:
+    """An int (numpy ints too; never a bool or a float) in ``[lo, hi)``."""
+    if isinstance(v, bool) or isinstance(v, float):
+        raise ValueError(f"{name} must be an int, got {v!r}")
+    try:
+        v = operator.index(v)
+    except TypeError:
+        raise ValueError(f"{name} must be an int, got {type(v).__name__} {v!r}") from None
+    if v < lo or (hi is not None and v >= hi):
+        raise ValueError(f"{name} must be in [{lo}, {hi if hi is not None else 'inf'}), got {v}")
+    return v
+
+
+class Engine:
+    """Serves requests on a paged cache; ``admission``/``batching`` pick the policy (see Scheduler)."""
+
+    def __init__(self, model, num_blocks: int, block_size: int = 16, max_num_batched_tokens: int = 256,
+                 max_num_seqs: int = 16, chunked_prefill: bool = True, admission: str = "on-demand",
+                 batching: str = "continuous", prefix_caching: bool = True, max_len: int | None = None,
+                 allocator_cls=None, gather=None, clock: Clock | None = None, scheduler_cls=Scheduler,
+                 block_manager_cls=BlockManager):
+        self.model, self.config = model, model.config
+        _int("num_blocks", num_blocks, 1)
+        _int("block_size", block_size, 1)
+        self.blocks = (block_manager_cls(num_blocks, block_size, prefix_caching) if allocator_cls is None
+                       else AllocatorBlocks(allocator_cls, num_blocks, block_size))
+        self.scheduler = scheduler_cls(self.blocks, max_num_batched_tokens, max_num_seqs, chunked_prefill, admission,
+                                   batching, max_len)
+        self.pool = PagedKVCache.for_model(model, num_blocks, block_size)   # the tensors; its allocator is unused
+        self.runner = Runner(model, self.pool, gather)
+        self.clock, self.trace = clock or Clock(self.pool.keys.device), Trace()
+        self.pending: list[Sequence] = []      # submitted, not yet arrived (by arrival time)
+        self.seqs: dict = {}                    # every request ever submitted, by id
+        self.prefixes: list[Sequence] = []      # explicit shared prefixes (add_prefix), pinned
+        self.split_steps = 0                    # steps whose one forward raised and were rerun per request
+
+    # -- requests -------------------------------------------------------------------------------
+    def submit(self, prompt, max_new_tokens: int, eos_token_id=None, rid=None, arrival: float = 0.0) -> Sequence:
+        """Queue a request; refused here (ValueError naming the fix) if it could never be served."""
+        seq = self._new_sequence(prompt, max_new_tokens, eos_token_id, rid, arrival)
+        why = self.scheduler.never_fits(seq)
+        if why:
+            raise ValueError(f"request {seq.rid!r} can never be served: {why}")
+        share = self._shared_prefix(seq)
+        if share is not None:
+            self.blocks.fork(share, seq)        # its first write into a partly filled block copies it
+            seq.cached_tokens += seq.num_computed
+        self.seqs[seq.rid] = seq
+        self.pending.append(seq)
+        self.pending.sort(key=lambda s: s.arrival)
+        return seq
+
+    def _new_sequence(self, prompt, max_new_tokens, eos_token_id, rid, arrival) -> Sequence:
+        vocab, ctx = self.config.vocab_size, self.config.n_positions
+        if isinstance(prompt, (str, bytes)) or not hasattr(prompt, "__len__") or len(prompt) == 0:
+            raise ValueError("prompt must be a non-empty list of token ids (tokenize text first)")
+        ids = tuple(_int(f"prompt token #{i}", t, 0, vocab) for i, t in enumerate(prompt))
+        m = _int("max_new_tokens", max_new_tokens, 1)
+        if len(ids) + m > ctx:
+            raise ValueError(f"prompt ({len(ids)} tokens) + max_new_tokens ({m}) = {len(ids) + m} exceeds the "
+                             f"model's context of {ctx} positions: shorten the prompt or ask for fewer tokens")
+        eos = None if eos_token_id is None else _int("eos_token_id", eos_token_id, 0, vocab)
+        rid = len(self.seqs) if rid is None else rid
+        if rid in self.seqs or any(p.rid == rid for p in self.prefixes):
+            raise ValueError(f"request id {rid!r} is already used: give each request its own id")
+        if isinstance(arrival, bool) or not isinstance(arrival, (int, float)) or not math.isfinite(arrival) \
+                or arrival < 0:
+            raise ValueError(f"arrival must be a finite number of seconds >= 0, got {arrival!r}")
+        return Sequence(rid, ids, m, eos, float(arrival))
+
+    def add_prefix(self, tokens) -> Sequence:
+        """Prefill ``tokens`` once and pin their blocks; a later prompt that starts with them (and is
+        longer) forks them instead of computing them (explicit sharing, with copy-on-write)."""
+        seq = self._new_sequence(tokens, 1, None, ("prefix", len(self.prefixes)), 0.0)
+        pin = self.blocks.blocks_needed(seq, seq.num_tokens)
+        largest = max((blocks_for(s.max_tokens, self.blocks.block_size) for s in self.seqs.values()
+                       if s.status in (Status.WAITING, Status.RUNNING)), default=0)
+        if pin >= self.scheduler.capacity or largest > self.scheduler.capacity - pin:
+            raise ValueError(f"a {seq.num_tokens}-token prefix would pin {pin} of the {self.scheduler.capacity} blocks "
+                             f"left to requests (a request already submitted needs up to {largest}): add blocks or "
+                             "shorten it")
+        self.runner.copy_blocks(self.blocks.allocate(seq, seq.num_tokens))
+        try:
+            if seq.to_compute:
+                self.runner.run([(seq, seq.to_compute)])
+        except Exception:
+            self.blocks.free(seq)                 # a failed prefill leaves no trace
+            seq.num_computed = 0
+            raise
+        seq.num_computed = seq.num_tokens
+        self.blocks.commit(seq)
+        self.scheduler.capacity -= len(seq.block_table)
+        self.prefixes.append(seq)
+        return seq
+
+    def _shared_prefix(self, seq: Sequence) -> Sequence | None:
+        best = None
+        for p in self.prefixes:
+            n = len(p.prompt)
+            if n < len(seq.prompt) and seq.prompt[:n] == p.prompt and (best is None or n > len(best.prompt)):
+                best = p
+        return best
+
+    # -- serving --------------------------------------------------------------------------------
+    def step(self) -> bool:
+        """One step: let in the requests that have arrived, schedule, run the model once over the
+        step's tokens, append the new tokens, retire the finished. False when nothing is left."""
+        start = self.clock.now()
+        self._let_in(start)
+        batch = self.scheduler.next_batch()
+        if not batch.work:
+            return self._idle()
+        tokens = self._run(batch)                 # one forward; a failing request fails alone
+        emitted = self._advance(batch, tokens)
+        self.trace.step(start, self.clock.now(), batch, emitted, self.blocks, self.scheduler)
+        return True
+
+    def _let_in(self, now: float) -> None:
+        while self.pending and self.pending[0].arrival <= now:
+            self.scheduler.add(self.pending.pop(0))
+
+    def _idle(self) -> bool:
+        if self.scheduler.has_work:
+            raise RuntimeError("requests are waiting but none could be scheduled: a bug in the scheduler")
+        if not self.pending:
+            return False
+        self.clock.skip_to(self.pending[0].arrival)
+        return True
+
+    def _run(self, batch) -> list:
+        self.runner.copy_blocks(batch.copies)
+        try:
+            return self.runner.run(batch.work)
+        except Exception:  # noqa: BLE001 - find who failed: each alone (writes are idempotent)
+            self.split_steps += 1
+            out = []
+            for seq, n in batch.work:
+                try:
+                    out += self.runner.run([(seq, n)])
+                except Exception as e:  # noqa: BLE001
+                    self.scheduler.retire(seq, Status.FAILED, f"{type(e).__name__}: {e}")
+                    out.append(None)
+            return out
+
+    def _advance(self, batch, tokens) -> list[Sequence]:
+        emitted = []
+        for (seq, n), tok in zip(batch.work, tokens):
+            if seq.status is Status.FAILED:
+                continue
+            seq.num_computed += n
+            self.blocks.commit(seq)
+            if tok is not None:
+                seq.append(tok)
+                emitted.append(seq)
+                if seq.done:
+                    self.scheduler.retire(seq, Status.FINISHED)
+        return emitted
+
+    def run(self, progress: bool = False) -> list[Sequence]:
+        """Step until every request has finished or failed; returns them in submission order."""
+        from ..progress import bar as tqdm
+
+        with tqdm(total=len(self.seqs), desc="requests", leave=False, disable=not progress) as bar:
+            while self.step():
+                bar.n = sum(s.status in (Status.FINISHED, Status.FAILED) for s in self.seqs.values())
+                bar.refresh()
+        return list(self.seqs.values())
+
+    def close(self) -> None:
+        """Release the pinned prefixes (the pool then holds only cached, unreferenced blocks)."""
+        for p in self.prefixes:
+            self.blocks.free(p)
+        self.scheduler.capacity = self.blocks.num_blocks
+        self.prefixes.clear()

@@ -1,0 +1,270 @@
+"""Lab 9's scheduler and prefix-cache graders: wrong implementations of every kind the issue lists are
+rejected with a message naming the mistake; correct ones written differently pass; the library's own
+handed in is told to write its own."""
+
+import pytest
+
+from kvlab.checks import check_prefix_cache, check_scheduler
+from kvlab.paged import OutOfBlocks
+from kvlab.serving import Batch, BlockManager, Scheduler, Status
+
+from conftest import expect_rejected
+
+
+# ---------------------------------------------------------------------------------------------------
+# Schedulers
+
+
+class IndexScheduler(Scheduler):
+    """Correct, written otherwise: indices, an explicit admission order, grant's OutOfBlocks caught."""
+
+    def schedule(self):
+        batch, left = Batch(), self.max_tokens
+        decoding = [s for s in self.running if s.to_compute == 1]
+        order = decoding + [s for s in self.running if s.to_compute > 1]
+        for seq in order:
+            if seq.status is not Status.RUNNING or left == 0 or len(batch.work) == self.max_seqs:
+                continue
+            n = min(seq.to_compute, left)
+            while True:
+                try:
+                    self.grant(batch, seq, n)
+                    left -= n
+                    break
+                except OutOfBlocks:
+                    done = {id(s) for s, _ in batch.work}
+                    idx = max(i for i, s in enumerate(self.running) if id(s) not in done)
+                    victim = self.running[idx]
+                    self.preempt(victim, batch)
+                    if victim is seq:
+                        break
+        while self.waiting and left and len(self.running) < self.max_seqs and not batch.preempted:
+            seq = self.waiting[0]
+            start = self.cached_tokens(seq)
+            n = min(seq.num_tokens - start, left)
+            if not self.blocks.can_hold(seq, start + n):
+                break
+            self.grant(batch, seq, n)
+            left -= n
+        return batch
+
+
+class Copied(Scheduler):
+    schedule = Scheduler.schedule          # the library's algorithm, typed in by the learner: correct
+
+
+def test_correct_schedulers_pass(tiny):
+    check_scheduler(IndexScheduler)
+    check_scheduler(Copied)
+
+
+def test_the_library_handed_in_is_refused():
+    expect_rejected(check_scheduler, Scheduler, "kvlab.serving.Scheduler's own", "write your own")
+    expect_rejected(check_scheduler, int, "subclasses kvlab.serving.Scheduler")
+
+
+def _variant(**changes):
+    """IndexScheduler with one decision changed."""
+
+    class Wrong(IndexScheduler):
+        def schedule(self):
+            batch, left = Batch(), self.max_tokens
+            order = sorted(self.running, key=lambda s: s.to_compute > 1)
+            if changes.get("skip_prefilling"):
+                order = [s for s in order if s.to_compute == 1]
+            for seq in order:
+                if seq.status is not Status.RUNNING or left == 0 or len(batch.work) == self.max_seqs:
+                    continue
+                n = min(seq.to_compute, left)
+                while not self.blocks.can_hold(seq, seq.num_computed + n):
+                    done = {id(s) for s, _ in batch.work}
+                    pool = [s for s in self.running if id(s) not in done]
+                    victim = pool[0] if changes.get("oldest_victim") else pool[-1]
+                    self.preempt(victim, batch)
+                    if changes.get("lose_tokens"):
+                        victim.output.clear()
+                    if victim is seq:
+                        break
+                else:
+                    self.grant(batch, seq, n)
+                    left -= n
+            queue = sorted(self.waiting, key=lambda s: s.num_tokens) if changes.get("shortest_first") \
+                else list(self.waiting)
+            if batch.preempted:
+                queue = []
+            for seq in queue:
+                if not left or len(self.running) >= self.max_seqs:
+                    break
+                start = self.cached_tokens(seq)
+                n = seq.num_tokens - start if changes.get("past_budget") else min(seq.num_tokens - start, left)
+                if changes.get("no_chunks") and n < seq.num_tokens - start:
+                    break
+                if not self.blocks.can_hold(seq, start + n):
+                    break
+                self.grant(batch, seq, n)
+                left -= n
+            return batch
+    return Wrong
+
+
+WRONG = [
+    (_variant(past_budget=True), ["admit past the budget"]),
+    (_variant(oldest_victim=True), ["preempt the newest"]),
+    (_variant(lose_tokens=True), ["preempted", "lost tokens"]),
+    (_variant(skip_prefilling=True), ["starve a running request"]),
+    (_variant(shortest_first=True), ["first come, first served"]),
+    (_variant(no_chunks=True), ["left waiting", "chunks"]),
+]
+
+
+@pytest.mark.parametrize("impl,needles", WRONG, ids=["past-budget", "oldest-victim", "lost-tokens", "starves",
+                                                      "overtakes", "no-chunks"])
+def test_wrong_schedulers_rejected(impl, needles):
+    expect_rejected(check_scheduler, impl, *needles)
+
+
+class NeverPreempts(Scheduler):
+    """A first attempt: a running sequence the pool cannot hold is skipped, nobody is preempted."""
+
+    def schedule(self):
+        batch = Batch()
+        for seq in list(self.running):
+            n = min(seq.to_compute, self.max_tokens - batch.num_tokens)
+            if n and len(batch.work) < self.max_seqs and self.blocks.can_hold(seq, seq.num_computed + n):
+                self.grant(batch, seq, n)
+        while self.waiting and batch.num_tokens < self.max_tokens and len(self.running) < self.max_seqs:
+            seq, start = self.waiting[0], self.cached_tokens(self.waiting[0])
+            n = min(seq.num_tokens - start, self.max_tokens - batch.num_tokens)
+            if not self.blocks.can_hold(seq, start + n):
+                break
+            self.grant(batch, seq, n)
+        return batch
+
+
+class AdmitsWhilePreempting(IndexScheduler):
+    def schedule(self):
+        batch = super().schedule()
+        left = self.max_tokens - batch.num_tokens
+        if batch.preempted and self.waiting and left and len(self.running) < self.max_seqs:
+            seq = self.waiting[0]
+            n = min(seq.num_tokens - self.cached_tokens(seq), left)
+            if self.blocks.can_hold(seq, self.cached_tokens(seq) + n):
+                self.grant(batch, seq, n)
+        return batch
+
+
+def test_first_attempts_get_the_fix_named():
+    expect_rejected(check_scheduler, NeverPreempts, "could not hold it", "preempt the newest")
+    expect_rejected(check_scheduler, AdmitsWhilePreempting, "had to preempt", "admit no one")
+
+
+def test_a_raising_scheduler_is_named():
+    class Broken(Scheduler):
+        def schedule(self):
+            raise KeyError("oops")
+    expect_rejected(check_scheduler, Broken, "your schedule() raised KeyError")
+
+
+def test_an_empty_step_is_named():
+    class Idle(Scheduler):
+        def schedule(self):
+            return Batch()
+    expect_rejected(check_scheduler, Idle, "left waiting")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Prefix caches
+
+
+class WalkCache(BlockManager):
+    """Correct, written otherwise: an index loop, eviction through next(iter(...))."""
+
+    def lookup(self, tokens):
+        tokens, out = list(tokens), []
+        keys = self._keys(tokens[:-1])
+        i = 0
+        while i < len(keys) and self.block_of.get(keys[i]) is not None:
+            out.append(self.block_of[keys[i]])
+            i += 1
+        return out
+
+    def evict(self):
+        b = next(iter(self.cached))
+        del self.cached[b]
+        key, self.key_of[b] = self.key_of[b], None
+        self.block_of.pop(key)
+        self.evictions += 1
+        return b
+
+
+def test_correct_prefix_caches_pass():
+    check_prefix_cache(WalkCache)
+
+    class Copied(BlockManager):
+        lookup, evict = BlockManager.lookup, BlockManager.evict
+    check_prefix_cache(Copied)
+
+
+def test_the_library_block_manager_is_refused():
+    expect_rejected(check_prefix_cache, BlockManager, "kvlab's own", "write your own")
+
+
+class KeepsOldKey(WalkCache):
+    def evict(self):
+        b, _ = self.cached.popitem(last=False)
+        self.evictions += 1
+        return b                                            # its key still points at it
+
+
+class MostRecent(WalkCache):
+    def evict(self):
+        b, _ = self.cached.popitem(last=True)
+        del self.block_of[self.key_of[b]]
+        self.key_of[b] = None
+        self.evictions += 1
+        return b
+
+
+class WholePrompt(WalkCache):
+    def lookup(self, tokens):
+        return super().lookup(list(tokens) + [0])          # the last token too
+
+
+class TokensOnly(BlockManager):
+    """Keys by the block's tokens alone (no parent): a block found after another prefix."""
+
+    def _keys(self, tokens):
+        bs = self.block_size
+        return [tuple(tokens[i * bs:(i + 1) * bs]) for i in range(len(tokens) // bs)]
+
+    def lookup(self, tokens):
+        out = []
+        for key in self._keys(list(tokens)[:-1]):
+            if key in self.block_of:
+                out.append(self.block_of[key])
+        return out
+
+    evict = WalkCache.evict
+
+
+class TouchesOnLookup(WalkCache):
+    def lookup(self, tokens):
+        out = super().lookup(tokens)
+        for b in out:
+            if b in self.cached:
+                self.cached.move_to_end(b)
+        return out
+
+
+WRONG_CACHES = [
+    (KeepsOldKey, ["old key", "forget the key"]),
+    (MostRecent, ["least recently used"]),
+    (WholePrompt, ["last token"]),
+    (TokensOnly, ["parent", "whole prefix"]),
+    (TouchesOnLookup, ["lookup changed the cache"]),
+]
+
+
+@pytest.mark.parametrize("impl,needles", WRONG_CACHES, ids=[c.__name__ for c, _ in WRONG_CACHES])
+def test_wrong_prefix_caches_rejected(impl, needles):
+    expect_rejected(check_prefix_cache, impl, *needles)

@@ -1,0 +1,84 @@
+"""kvlab.draw: each diagram is drawn from a live object and says in its alt text what that object holds."""
+
+import matplotlib.pyplot as plt
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvlab import batching, draw, gpt2, quant
+from kvlab.paged import BlockAllocator
+
+
+def _is_drawing(d):
+    assert isinstance(d, draw.Drawing) and d.alt and d.caption
+    png = d.png()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 2000
+    bundle = d._repr_mimebundle_()
+    assert 'alt="' in bundle["text/html"] and bundle["text/plain"] == d.alt
+    assert not plt.get_fignums()          # off-screen: pyplot never saw the figure
+    return d
+
+
+def test_cache_growth_and_query_from_a_real_dynamic_cache(tiny):
+    model, tok = tiny
+    ids = tok("In the beginning God", return_tensors="pt").input_ids
+    steps = draw.record_steps(model, ids, 3)
+    assert [s["after"] for s in steps] == [ids.shape[1] + i for i in range(4)]
+    assert [len(s["tokens"]) for s in steps] == [ids.shape[1], 1, 1, 1]
+    H, D = model.config.n_head, model.config.n_embd // model.config.n_head
+    assert steps[-1]["keys"].shape == (H, ids.shape[1] + 3, D) and steps[-1]["q"].shape == (H, D)
+    d = _is_drawing(draw.cache_growth(steps, tok))
+    assert f"{len(steps)} forward calls over {ids.shape[1] + 3} positions" in d.alt
+    _is_drawing(draw.query_against_cache(steps[-1]))
+
+
+def test_the_mask_is_read_off_the_attention_function():
+    ours = draw.probe_mask(gpt2.attention, past_len=3, T=2)
+    assert ours.tolist() == [[True] * 4 + [False], [True] * 5]                      # bottom-right
+    top_left = draw.probe_mask(lambda q, k, v, p: F.scaled_dot_product_attention(q, k, v, is_causal=True), 3, 2)
+    assert top_left.tolist() == [[True] + [False] * 4, [True, True] + [False] * 3]
+    assert torch.equal(draw.probe_mask(gpt2.sdpa_attention, 3, 2), ours)
+    d = _is_drawing(draw.masks(ours, top_left, 3))
+    assert "6 cells differ" in d.alt
+
+
+def test_layout_gqa_quant_and_batch(tiny):
+    from transformers.models.llama.modeling_llama import repeat_kv
+    kv_of = repeat_kv(torch.arange(2.0).view(1, 2, 1, 1), 4).flatten().long().tolist()
+    d = _is_drawing(draw.cache_layout((12, 1, 12, 1024, 64), n_kv_heads=2, kv_head_of=kv_of))
+    assert "8 query heads share 2 key/value heads, 4 each" in d.alt
+    x = torch.randn(16, 8)
+    x[:, 3] *= 20                                                      # an outlier channel
+    d = _is_drawing(draw.quant_axes(x, 4, quant.quantize))
+    assert "scales [16, 1]" in d.alt and "scales [1, 8]" in d.alt
+    _, tok = tiny
+    ids, mask, pos = batching.make_batch(tok, ["And God said", "In the beginning God created"])
+    d = _is_drawing(draw.padded_batch(ids, mask, pos, tok))
+    assert f"pads per row: {[int((mask[b] == 0).sum()) for b in range(2)]}" in d.alt
+    assert "padded on the left" in d.alt and "last column holds every row's newest token" in d.alt
+    right_ids, right_mask = ids.flip(-1), mask.flip(-1)            # the same rows, padded on the right
+    d = _is_drawing(draw.padded_batch(right_ids, right_mask, title="padding_side='right'"))
+    assert "padded on the right" in d.alt and "last column of a padded row is a pad" in d.alt
+
+
+def test_generic_diagrams_for_chapters_7_to_9():
+    d = _is_drawing(draw.roofline(1e12, 1e11, {"decode": (1.0, 5e10), "prefill": (50.0, 8e11)}, "a test device"))
+    assert "ridge" in d.caption.lower() or "10 FLOPs per byte" in d.alt
+    assert "decode at 1 FLOP/byte, 50 GFLOP/s (memory-bound)" in d.alt and "(compute-bound)" in d.alt
+    d = _is_drawing(draw.static_buffer(16, 5))
+    assert "5 are filled" in d.alt and "11 slots" in d.alt
+    a = BlockAllocator(6, 4)
+    a.allocate("a", 6)
+    a.fork("a", "b")
+    d = _is_drawing(draw.block_tables(a, ["a", "b"]))
+    assert "a -> [0, 1]; b -> [0, 1]" in d.alt and "[0, 1] are shared" in d.alt
+    a.append_slot("b")                                                  # copy on write of block 1
+    assert "b -> [0, 2]" in _is_drawing(draw.block_tables(a, ["a", "b"])).alt
+
+
+def test_timeline_of_requests():
+    class R:
+        def __init__(self, rid, s, f, e):
+            self.rid, self.submitted, self.first_token, self.finished = rid, s, f, e
+    d = _is_drawing(draw.timeline([R(0, 0.0, 0.1, 1.0), R(1, 0.0, 0.3, 1.5), R(2, 0.5, 0.6, 2.0)]))
+    assert "3 requests over 2 s" in d.alt and "median time to first token 0.1 s" in d.alt
