@@ -6,7 +6,10 @@ import torch
 from kvlab.checks import check_naive_generate
 from kvlab.generate import naive_generate as reference
 
-from conftest import expect_rejected
+from conftest import expect_rejected, own_copy
+
+reference = own_copy(reference)          # the graders refuse the library's own code
+
 
 
 def test_accepts_reference(capsys):
@@ -235,3 +238,77 @@ def article_a_step_count(model, ids, n):
 def test_rejects_article_a_step_count():
     # right for a one-token prompt (len() happens to equal T), wrong for every longer one
     expect_rejected(check_naive_generate, article_a_step_count, "prompt of", "expected")
+
+
+# ------------------------------------------------ issue 24: the dtype it ran in, stale answers
+
+def under_bf16_autocast(model, ids, n):
+    """Runs every forward under bf16 autocast: on these prompts the argmax happens not to change."""
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        return reference(model, ids, n)
+
+
+_REMEMBERED: dict = {}
+
+
+def remembers_by_shape(model, ids, n):
+    """Keeps the new tokens of the first prompt of each (length, budget) and hands them out again."""
+    key = (ids.shape[1], n)
+    if key not in _REMEMBERED:
+        _REMEMBERED[key] = reference(model, ids, n)[:, ids.shape[1]:]
+    return torch.cat([ids, _REMEMBERED[key]], 1)
+
+
+@pytest.mark.parametrize("impl, needles", [
+    (under_bf16_autocast, ["autocast(bfloat16)", "float32"]),
+    (remembers_by_shape, ["earlier prompt of the same length", "remembers"]),
+])
+def test_rejects_other_dtype_and_stale(impl, needles):
+    _REMEMBERED.clear()
+    expect_rejected(check_naive_generate, impl, *needles)
+
+
+_SEEDED = torch.Generator()
+
+
+def own_generator_sampler(model, ids, n, temperature=1.0, top_k=None):
+    """Draws from a generator of its own, seeded once: the same tokens whatever manual_seed says."""
+    _SEEDED.manual_seed(0)
+    state = torch.random.get_rng_state()
+    torch.random.set_rng_state(_SEEDED.get_state())
+    try:
+        return sampler(model, ids, n, temperature, top_k)
+    finally:
+        torch.random.set_rng_state(state)
+
+
+def test_sampler_rejects_a_seed_of_its_own():
+    expect_rejected(check_sample_generate, own_generator_sampler, "same tokens after torch.manual_seed", "global generator")
+
+
+def test_library_refused():
+    from kvlab.generate import naive_generate
+
+    expect_rejected(check_naive_generate, naive_generate, "kvlab.generate.naive_generate",
+                    "write it yourself")
+
+
+@torch.no_grad()
+def second_to_last_on_grader_text_0_only(model, ids, n):
+    """Takes the second-to-last position's argmax, but only for prompts that start like grader text
+    0: one prompt cannot tell this from a coincidence, so the grader must not name the mistake."""
+    from kvlab.checks._common import GRADER_TEXTS
+    from kvlab.models import load
+
+    first = load("kvlab-tiny")[1](GRADER_TEXTS[0]).input_ids[0]
+    if int(ids[0, 0]) != first or ids.shape[1] < 2:
+        return reference(model, ids, n)
+    for _ in range(n):
+        ids = torch.cat([ids, model(ids).logits[:, -2].argmax(-1, keepdim=True)], 1)
+    return ids
+
+
+def test_a_diagnosis_needs_a_second_prompt():
+    msg = expect_rejected(check_naive_generate, second_to_last_on_grader_text_0_only,
+                          "on another prompt your tokens came out right")
+    assert "SECOND-TO-LAST" not in msg

@@ -14,7 +14,10 @@ from kvlab.checks import check_cached_generate
 from kvlab.generate import cached_generate as reference
 from kvlab.generate import naive_generate
 
-from conftest import expect_rejected
+from conftest import expect_rejected, own_copy
+
+reference, naive_generate = own_copy(reference), own_copy(naive_generate)   # not the library's own
+
 
 
 def greedy(out):
@@ -215,6 +218,8 @@ def test_rejects(impl, needles):
 from kvlab.checks import check_generate_until  # noqa: E402
 from kvlab.generate import cached_generate as reference_cached  # noqa: E402
 
+reference_cached = own_copy(reference_cached)
+
 
 @torch.no_grad()
 def cached_stops_at_eos(model, ids, n):
@@ -305,3 +310,48 @@ def no_stop(model, ids, n, eos):
 ])
 def test_until_rejects(impl, needles):
     expect_rejected(check_generate_until, impl, *needles)
+
+
+# ------------------------------------------------ issue 24: the dtype it ran in, stale answers
+
+def cached_under_bf16_autocast(model, ids, n):
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        return reference(model, ids, n)
+
+
+_REMEMBERED: dict = {}
+
+
+def cached_remembers_by_shape(model, ids, n):
+    key = (ids.shape[1], n)
+    if key not in _REMEMBERED:
+        _REMEMBERED[key] = reference(model, ids, n)[:, ids.shape[1]:]
+    return torch.cat([ids, _REMEMBERED[key]], 1)
+
+
+@pytest.mark.parametrize("impl, needles", [
+    (cached_under_bf16_autocast, ["autocast(bfloat16)"]),
+    (cached_remembers_by_shape, ["earlier prompt of the same length"]),
+])
+def test_cached_rejects_other_dtype_and_stale(impl, needles):
+    _REMEMBERED.clear()
+    expect_rejected(check_cached_generate, impl, *needles)
+
+
+def until_remembers_by_shape(model, ids, n, eos):
+    key = (ids.shape[1], n, eos)
+    if key not in _REMEMBERED:
+        _REMEMBERED[key] = until(model, ids, n, eos)[:, ids.shape[1]:]
+    return torch.cat([ids, _REMEMBERED[key]], 1)
+
+
+def test_until_rejects_stale():
+    _REMEMBERED.clear()
+    expect_rejected(check_generate_until, until_remembers_by_shape, "expected")
+
+
+def test_library_refused():
+    from kvlab.generate import cached_generate
+
+    expect_rejected(check_cached_generate, cached_generate, "kvlab.generate.cached_generate",
+                    "write it yourself")

@@ -10,7 +10,12 @@ from kvlab.cache import ConcatCache, PreallocatedCache
 from kvlab.checks import check_attention, check_generate_with_cache, check_kv_cache
 from kvlab.gpt2 import attention as reference_attention
 
-from conftest import expect_rejected
+from conftest import expect_rejected, own_copy
+
+# the graders refuse the library's own code: the tests hand in copies, as a learner's would be
+PreallocatedCache, ConcatCache = own_copy(PreallocatedCache), own_copy(ConcatCache)
+reference_attention = own_copy(reference_attention)
+
 
 
 # --- attention: the right one and the wrong ones ------------------------------------------------------
@@ -250,4 +255,158 @@ def test_chapter_3_sdpa_attention_does_not_pass():
     """Chapter 3 shows sdpa_attention (correct, fused): pasting it must not pass the exercise."""
     from kvlab.gpt2 import sdpa_attention
 
-    expect_rejected(check_attention, sdpa_attention, "scaled_dot_product_attention")
+    expect_rejected(check_attention, own_copy(sdpa_attention), "scaled_dot_product_attention")
+    expect_rejected(check_attention, sdpa_attention, "kvlab.gpt2.sdpa_attention", "yourself")
+
+
+# ------------------------------------------------ issue 24: what still got through, and the unusual
+
+class CacheSeqLenMethod(PreallocatedCache):
+    def seq_len(self):                                           # a plain method, not a property
+        return self._len
+
+
+class CacheLosesDtypeOnReset(PreallocatedCache):
+    def __init__(self, n_layer, batch_size, n_head, head_dim, max_len, dtype=torch.float32, device="cpu"):
+        super().__init__(n_layer, batch_size, n_head, head_dim, max_len, dtype, device)
+        self.sizes = (n_layer, batch_size, n_head, head_dim, max_len)
+
+    def reset(self):                                             # reallocates with the defaults
+        PreallocatedCache.__init__(self, *self.sizes)
+
+
+class CacheOneBuffer(PreallocatedCache):
+    def update(self, layer, k, v):                               # values written over the keys
+        keys, _ = super().update(layer, k, v)
+        T, start = k.shape[2], self._len - (k.shape[2] if layer == self.n_layer - 1 else 0)
+        self.keys[layer, :, :, start:start + T] = v
+        return keys, keys
+
+
+class CacheClassBuffers:
+    """Keeps its buffers on the class: every cache made shares them."""
+    store = {}
+
+    def __init__(self, n_layer, batch_size, n_head, head_dim, max_len, dtype=torch.float32, device="cpu"):
+        shape = (n_layer, batch_size, n_head, max_len, head_dim)
+        key = (shape, dtype, str(device))
+        if key not in CacheClassBuffers.store:
+            CacheClassBuffers.store[key] = (torch.zeros(shape, dtype=dtype, device=device),
+                                            torch.zeros(shape, dtype=dtype, device=device))
+        self.k, self.v = CacheClassBuffers.store[key]
+        self.n_layer, self.max_len, self.pos = n_layer, max_len, 0
+
+    def update(self, layer, k, v):
+        T = k.shape[2]
+        if self.pos + T > self.max_len:
+            raise ValueError("full")
+        self.k[layer, :, :, self.pos:self.pos + T] = k
+        self.v[layer, :, :, self.pos:self.pos + T] = v
+        end = self.pos + T
+        if layer == self.n_layer - 1:
+            self.pos = end
+        return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
+
+    def reset(self):
+        self.pos = 0
+
+    @property
+    def seq_len(self):
+        return self.pos
+
+
+@pytest.mark.parametrize("impl, needles", [
+    (CacheSeqLenMethod, ["@property"]),
+    (CacheLosesDtypeOnReset, ["reset()", "float64", "returns torch.float32"]),
+    (CacheOneBuffer, ["share one buffer"]),
+    (CacheClassBuffers, ["two caches alive at once"]),
+])
+def test_kv_cache_rejects_issue_24(impl, needles):
+    CacheClassBuffers.store.clear()
+    expect_rejected(check_kv_cache, impl, *needles)
+
+
+def test_generate_rejects_refusing_an_exact_fill():
+    # the unit grader says it too; end to end the message names the exact fill
+    expect_rejected(lambda pair: check_generate_with_cache(*pair), (CacheFullIsOverflow, reference_attention),
+                    "fills the cache exactly", "<=")
+
+
+_LAST: dict = {}
+
+
+def attention_remembers_by_shape(q, k, v, past_len):
+    key = (tuple(q.shape), tuple(k.shape), past_len, q.dtype, q.device)
+    if key not in _LAST:
+        _LAST[key] = reference_attention(q, k, v, past_len)
+    return _LAST[key].clone()
+
+
+def attention_mask_on_cpu(q, k, v, past_len):                      # torch.arange without device=
+    T, S = q.shape[-2], k.shape[-2]
+    hidden = torch.arange(S)[None] > torch.arange(past_len, past_len + T)[:, None]
+    scores = (q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])
+    return torch.softmax(scores.masked_fill(hidden.to(q.device) if q.device.type != "meta" else hidden, float("-inf")), -1) @ v
+
+
+def attention_scales_q_in_place(q, k, v, past_len):
+    q.mul_(q.shape[-1] ** -0.5)                                    # scales the caller's q
+    return reference_attention(q * q.shape[-1] ** 0.5, k, v, past_len)
+
+
+def attention_off_on_last_query(q, k, v, past_len):               # a mistake with no name
+    out = reference_attention(q, k, v, past_len).clone()
+    out[:, :, -1] += 0.01
+    return out
+
+
+@pytest.mark.parametrize("impl, needles", [
+    (attention_remembers_by_shape, ["remembered result"]),
+    (attention_mask_on_cpu, ["meta", "device=q.device"]),
+    (attention_scales_q_in_place, ["modified its argument q"]),
+    (attention_off_on_last_query, ["largest error", "wrong queries: [5]"]),
+])
+def test_attention_rejects_issue_24(impl, needles):
+    _LAST.clear()
+    expect_rejected(check_attention, impl, *needles)
+
+
+def attention_einsum_where(q, k, v, past_len):
+    """Correct, written with einsum and torch.where; in bf16 it rounds more than the fp32 path."""
+    T, S, D = q.shape[-2], k.shape[-2], q.shape[-1]
+    scores = torch.einsum("bhtd,bhsd->bhts", q, k) / math.sqrt(D)
+    allowed = torch.arange(S, device=q.device)[None] <= torch.arange(past_len, past_len + T, device=q.device)[:, None]
+    scores = torch.where(allowed, scores, torch.finfo(q.dtype).min)
+    return torch.einsum("bhts,bhsd->bhtd", scores.softmax(-1), v)
+
+
+def attention_products_summed(q, k, v, past_len):
+    """Correct: scores as elementwise products summed (more rounding in low precision)."""
+    T, S, D = q.shape[-2], k.shape[-2], q.shape[-1]
+    scores = (q.unsqueeze(3) * k.unsqueeze(2) * D ** -0.5).sum(-1)
+    hidden = torch.arange(S, device=q.device)[None] > torch.arange(past_len, past_len + T, device=q.device)[:, None]
+    weights = torch.softmax(scores.float().masked_fill(hidden, float("-inf")), -1).to(q.dtype)
+    return (weights.unsqueeze(-1) * v.unsqueeze(2)).sum(3)
+
+
+@pytest.mark.parametrize("impl", [attention_einsum_where, attention_products_summed])
+def test_attention_accepts_unusual_correct(impl, capsys):
+    check_attention(impl)
+    assert "PASSED check_attention" in capsys.readouterr().out
+
+
+def test_library_refused():
+    from kvlab import cache, gpt2
+
+    class Inherits(cache.PreallocatedCache):                        # adds nothing of its own
+        pass
+
+    expect_rejected(check_kv_cache, cache.PreallocatedCache, "kvlab.cache.PreallocatedCache")
+    expect_rejected(check_kv_cache, Inherits, "library's own")
+    expect_rejected(check_attention, gpt2.attention, "kvlab.gpt2.attention", "yourself")
+
+
+def test_cache_bytes_prediction_names_what_is_left_out():
+    # the library's cache also keeps slot_pos: a prediction of the K/V alone is 8,192 bytes short
+    expect_rejected(lambda c: check_cache_bytes_prediction(c, 2 * 12 * 12 * 1024 * 64 * 4), PreallocatedCache,
+                    "8,192 bytes short", "slot_pos [1, 1024] int64")

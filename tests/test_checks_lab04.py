@@ -7,7 +7,7 @@ import torch
 
 from kvlab.checks import check_kv_cache_bytes, check_max_batch_size
 
-from conftest import expect_rejected
+from conftest import expect_rejected, own_copy
 
 
 def _shape(config):
@@ -85,11 +85,16 @@ def test_accepts_reference(capsys):
     assert "PASSED check_kv_cache_bytes" in out and "PASSED check_max_batch_size" in out
 
 
-def test_accepts_library():
+def test_refuses_library_accepts_a_copy(capsys):
+    """The library's own functions are refused (write your own); a copy of their code passes."""
     from kvlab.memory import kv_cache_bytes, max_batch_size
 
-    check_kv_cache_bytes(kv_cache_bytes)
-    check_max_batch_size(max_batch_size)
+    expect_rejected(check_kv_cache_bytes, kv_cache_bytes, "kvlab.memory.kv_cache_bytes",
+                    "write it yourself")
+    expect_rejected(check_max_batch_size, max_batch_size, "library's own")
+    check_kv_cache_bytes(own_copy(kv_cache_bytes))
+    check_max_batch_size(own_copy(max_batch_size))
+    assert capsys.readouterr().out.count("PASSED") == 2
 
 
 @pytest.mark.parametrize("impl, needles", [
@@ -118,6 +123,8 @@ def test_rejects_max_batch_size(impl, needles):
 
 from kvlab.checks import check_max_seq_len  # noqa: E402
 from kvlab.memory import kv_cache_bytes as reference_bytes  # noqa: E402
+
+reference_bytes = own_copy(reference_bytes)
 
 
 def head_dim_attribute(config, seq_len, batch_size, dtype):
@@ -152,3 +159,33 @@ def test_max_seq_len():
     expect_rejected(check_max_seq_len, lambda *a: max_seq_len(*a, cap=False), "context")
     expect_rejected(check_max_seq_len, lambda *a: max_seq_len(*a, ceil=True), "round down")
     expect_rejected(check_max_seq_len, lambda *a: float(max_seq_len(*a)), "int")
+
+
+# ------------------------------------------------ issue 24: an explicit head_dim, stale answers
+
+def mb_hidden_over_heads(config, seq_len, dtype, free_bytes):
+    return free_bytes // hidden_over_heads(config, seq_len, 1, dtype)
+
+
+def seq_hidden_over_heads(config, batch_size, dtype, free_bytes):
+    per = hidden_over_heads(config, 1, batch_size, dtype)
+    return min(free_bytes // per, config.max_position_embeddings)
+
+
+_SEEN: dict = {}
+
+
+def bytes_remembered_per_config_class(config, seq_len, batch_size, dtype):
+    """Remembers the first answer per config object: the same config asked twice shows it."""
+    key = (type(config).__name__, id(config))
+    return _SEEN.setdefault(key, correct(config, seq_len, batch_size, dtype))
+
+
+def test_rejects_hidden_over_heads_in_batch_and_length():
+    expect_rejected(check_max_batch_size, mb_hidden_over_heads, "sets head_dim = 256 explicitly")
+    expect_rejected(check_max_seq_len, seq_hidden_over_heads, "sets head_dim = 256 explicitly")
+
+
+def test_rejects_a_remembered_answer():
+    _SEEN.clear()
+    expect_rejected(check_kv_cache_bytes, bytes_remembered_per_config_class, "twice the tokens")

@@ -6,7 +6,9 @@ import torch
 from kvlab.checks import check_quantize
 from kvlab.quant import dequantize, quantize
 
-from conftest import expect_rejected
+from conftest import expect_rejected, own_copy
+
+quantize, dequantize = own_copy(quantize), own_copy(dequantize)   # not the library's own
 
 
 def test_accepts_reference(capsys):
@@ -195,3 +197,56 @@ def test_quantize_int():
     check = lambda f: check_quantize_int(f, dequantize_int)  # noqa: E731
     expect_rejected(check, lambda x, b, d: quantize_int(x, b, d, int_zp=False), "INTEGER")
     expect_rejected(check, lambda x, b, d: quantize_int(x, b, d, include_zero=False), "INCLUDES 0")
+
+
+# ------------------------------------------------ issue 24: devices, stale answers, the library
+
+def codes_on_cpu(x, bits, dim):
+    """Reads no value (so meta can judge it), but builds the codes with no device=: right on a CPU only."""
+    _validate(bits)
+    levels = 2 ** bits - 1
+    lo, hi = x.amin(dim, keepdim=True), x.amax(dim, keepdim=True)
+    scale = (hi - lo) / levels
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    codes = torch.round((x - lo) / scale).clamp(0, levels)
+    return torch.zeros(x.shape, dtype=torch.uint8) + codes.to("cpu", torch.uint8) \
+        if x.device.type != "meta" else torch.zeros(x.shape, dtype=torch.uint8), scale, lo
+
+
+_FIRST: dict = {}
+
+
+def remembers_by_shape(x, bits, dim):
+    key = (tuple(x.shape), bits, dim, x.dtype, x.device)
+    if key not in _FIRST:
+        _FIRST[key] = quantize(x, bits, dim)
+    return _FIRST[key]
+
+
+def reads_values(x, bits, dim):
+    """Correct, but reads values (a boolean index): nothing to judge on meta, and that is fine."""
+    q, scale, zp = quantize(x, bits, dim)
+    if (scale == 0).any():
+        scale[scale == 0] = 1.0
+    return q, scale, zp
+
+
+@pytest.mark.parametrize("impl, needles", [
+    (codes_on_cpu, ["meta", "q on cpu"]),
+    (remembers_by_shape, ["x of shape [2, 3, 24, 16], bits=4, dim=-1"]),
+])
+def test_rejects_issue_24(impl, needles):
+    _FIRST.clear()
+    expect_rejected(lambda q: check_quantize(q, dequantize), impl, *needles)
+
+
+def test_accepts_code_that_reads_values(capsys):
+    check_quantize(reads_values, dequantize)
+    assert "meta not judged" in capsys.readouterr().out
+
+
+def test_library_refused():
+    from kvlab import quant
+
+    expect_rejected(lambda pair: check_quantize(*pair), (quant.quantize, dequantize),
+                    "kvlab.quant.quantize")

@@ -12,7 +12,13 @@ from kvlab.batching import positions_from_mask
 from kvlab.checks import check_batched_generate, check_make_batch
 from kvlab.generate import cached_generate
 
-from conftest import expect_rejected
+from conftest import expect_rejected, own_copy
+
+# the graders refuse the library's own code: the tests hand in copies, as a learner's would be
+reference_generate, reference_make_batch = own_copy(reference_generate), own_copy(reference_make_batch)
+cached_generate = own_copy(cached_generate)
+positions_from_mask = own_copy(positions_from_mask)
+
 
 
 def test_accepts_reference(capsys):
@@ -295,3 +301,86 @@ def test_until_accepts_and_rejects(capsys):
                     "goes on after its end-of-text")
     expect_rejected(check_batched_generate_until, functools.partial(_until, extra=True),
                     "forward passes")
+
+
+# ------------------------------------------------ issue 24: hard-coded ids, unusual returns, dtypes
+
+def make_batch_pads_with_zero(tok, prompts):
+    """Right for the grading model (pad id 0), wrong for any tokenizer whose pad id is not 0."""
+    if not prompts or any(not p for p in prompts):
+        raise ValueError("empty")
+    rows = [tok(p).input_ids for p in prompts]
+    B, T = len(rows), max(map(len, rows))
+    ids, mask = torch.zeros(B, T, dtype=torch.long), torch.zeros(B, T, dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, T - len(r):], mask[i, T - len(r):] = torch.tensor(r), 1
+    return ids, mask, positions_from_mask(mask)
+
+
+def test_make_batch_rejects_a_hard_coded_pad_id():
+    expect_rejected(check_make_batch, make_batch_pads_with_zero, "pads are [0]", "pad_token_id (220)")
+
+
+@torch.no_grad()
+def rows_as_a_long_tensor(model, tok, prompts, n):
+    """Correct: the older past_key_values= keyword, and a [B, n] LongTensor returned."""
+    ids, mask, pos = reference_make_batch(tok, prompts)
+    B = ids.shape[0]
+    if n == 0:
+        return torch.zeros(B, 0, dtype=torch.long)
+    out = model(input_ids=ids, attention_mask=mask, position_ids=pos,
+                past_key_values=DynamicCache(config=model.config), use_cache=True)
+    columns = []
+    for step in range(n):
+        columns.append(out.logits[:, -1].argmax(-1))
+        if step == n - 1:
+            break
+        mask, pos = torch.cat([mask, mask.new_ones(B, 1)], 1), pos[:, -1:] + 1
+        out = model(input_ids=columns[-1][:, None], attention_mask=mask, position_ids=pos,
+                    past_key_values=out.past_key_values, use_cache=True)
+    return torch.stack(columns, 1)
+
+
+def rows_as_tensors(model, tok, prompts, n):
+    return list(rows_as_a_long_tensor(model, tok, prompts, n))
+
+
+def rows_of_numpy_ints(model, tok, prompts, n):
+    return [list(r) for r in rows_as_a_long_tensor(model, tok, prompts, n).numpy()]
+
+
+@pytest.mark.parametrize("impl", [rows_as_a_long_tensor, rows_as_tensors, rows_of_numpy_ints])
+def test_batched_accepts_other_containers(impl, capsys):
+    check_batched_generate(impl)
+    assert "PASSED check_batched_generate" in capsys.readouterr().out
+
+
+def batched_under_bf16_autocast(model, tok, prompts, n):
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        return reference_generate(model, tok, prompts, n)
+
+
+_ANSWERS: dict = {}
+
+
+def batched_remembers_by_size(model, tok, prompts, n):
+    key = (len(prompts), n)
+    if key not in _ANSWERS:
+        _ANSWERS[key] = reference_generate(model, tok, prompts, n)
+    return _ANSWERS[key]
+
+
+@pytest.mark.parametrize("impl, needles", [
+    (batched_under_bf16_autocast, ["autocast(bfloat16)"]),
+    (batched_remembers_by_size, ["two other prompts", "never called the model"]),
+])
+def test_batched_rejects_issue_24(impl, needles):
+    _ANSWERS.clear()
+    expect_rejected(check_batched_generate, impl, *needles)
+
+
+def test_library_refused():
+    from kvlab import batching
+
+    expect_rejected(check_make_batch, batching.make_batch, "kvlab.batching.make_batch")
+    expect_rejected(check_batched_generate, batching.batched_generate, "write it yourself")

@@ -10,7 +10,11 @@ import torch.nn.functional as F
 from kvlab.checks import check_no_recompile, check_static_attention, check_static_cache
 from kvlab.static import StaticCache, static_attention, static_attention_explicit
 
-from conftest import expect_rejected
+from conftest import expect_rejected, own_copy
+
+# the graders refuse the library's own code: the tests hand in copies, as a learner's would be
+StaticCache = own_copy(StaticCache)
+static_attention, static_attention_explicit = own_copy(static_attention), own_copy(static_attention_explicit)
 
 
 # --- caches: correct ones ------------------------------------------------------------------------------
@@ -42,7 +46,7 @@ class CacheWhere:
 
     def update(self, layer, k, v, pos):
         S, T = self.kv.shape[4], k.shape[2]
-        rel = torch.arange(S) - pos                              # slot j holds new token j - pos
+        rel = torch.arange(S, device=k.device) - pos             # slot j holds new token j - pos
         hit = ((rel >= 0) & (rel < T))[:, None]
         for i, new in enumerate((k, v)):
             spread = new[:, :, rel.clamp(0, T - 1)]              # [B, H, S, D]
@@ -160,7 +164,7 @@ class CacheWrongSignature:
 
 def attention_additive_mask(q, k, v, pos):          # correct, unusual: float mask of -1e9, float64 inside
     T, S = q.shape[-2], k.shape[-2]
-    hidden = torch.arange(S)[None] > pos + torch.arange(T)[:, None]
+    hidden = torch.arange(S, device=q.device)[None] > pos + torch.arange(T, device=q.device)[:, None]
     scores = (q.double() @ k.double().transpose(-2, -1)) / math.sqrt(q.shape[-1]) - 1e9 * hidden
     return (torch.softmax(scores, -1) @ v.double()).to(q.dtype)
 
@@ -290,3 +294,246 @@ def attention_for_sliced(q, k, v, pos):            # works with a sliced cache (
 ])
 def test_no_recompile_rejects(cache, attention, needles):
     expect_rejected(lambda c: check_no_recompile(c, attention, steps=12), cache, *needles)
+
+
+# ------------------------------------------------ issue 24: the decode loop, a NaN in a hidden slot
+
+from kvlab.checks import check_hidden_nan, check_static_generate  # noqa: E402
+
+
+@torch.no_grad()
+def static_generate(model, cache, step, input_ids, max_new_tokens, pos_as=torch.tensor, reset=True,
+                    prefill_in_step=False, steps_extra=0, eager_decode=False, start=0):
+    """The loop, right by default; each keyword makes one mistake."""
+    B, T = input_ids.shape
+    if max_new_tokens == 0:
+        return input_ids.clone()
+    if reset:
+        cache.reset()
+    if prefill_in_step:
+        nxt = step(input_ids, pos_as(0))
+    else:
+        nxt = model(input_ids, cache, last_only=True)[:, -1].argmax(-1)
+    out, pos = [input_ids, nxt[:, None]], pos_as(T + start)
+    for _ in range(max_new_tokens - 1 + steps_extra):
+        nxt = (model(nxt[:, None], cache, last_only=True)[:, -1].argmax(-1) if eager_decode
+               else step(nxt[:, None], pos))
+        pos = pos + 1
+        out.append(nxt[:, None])
+    return torch.cat(out, 1)[:, :T + max_new_tokens]
+
+
+def static_generate_tensor_in_place(model, cache, step, input_ids, max_new_tokens):
+    """Correct, unusual: one position tensor advanced in place, the step's input in a fixed buffer."""
+    B, T = input_ids.shape
+    out = torch.empty(B, T + max_new_tokens, dtype=torch.long)
+    out[:, :T] = input_ids
+    if max_new_tokens:
+        cache.reset()
+        with torch.no_grad():
+            out[:, T] = model(input_ids, cache, last_only=True)[:, -1].argmax(-1)
+        pos, ids = torch.tensor(T), torch.empty(B, 1, dtype=torch.long)
+        for t in range(T + 1, T + max_new_tokens):
+            ids.copy_(out[:, t - 1:t])
+            with torch.no_grad():
+                out[:, t] = step(ids, pos)
+            pos += 1
+    return out
+
+
+def test_static_generate_accepts_correct(capsys):
+    check_static_generate(static_generate)
+    check_static_generate(static_generate_tensor_in_place)
+    assert capsys.readouterr().out.count("PASSED check_static_generate") == 2
+
+
+@pytest.mark.parametrize("kwargs, needles", [
+    (dict(pos_as=int), ["python int", "0-d torch.long tensor"]),
+    (dict(reset=False), ["cache.reset()", "previous prompt"]),
+    (dict(prefill_in_step=True), ["prompt through the compiled step", "prefill eagerly"]),
+    (dict(steps_extra=1), ["the last token needs no step"]),
+    (dict(eager_decode=True), ["model(...) called a second time"]),
+    (dict(start=-1), ["the first step is at"]),
+])
+def test_static_generate_rejects(kwargs, needles):
+    import functools
+
+    expect_rejected(check_static_generate, functools.partial(static_generate, **kwargs), *needles)
+
+
+def attention_zeroes_hidden_values(q, k, v, pos):                 # correct, and immune to NaN values
+    T, S = q.shape[-2], k.shape[-2]
+    hidden = torch.arange(S, device=q.device)[None] > pos + torch.arange(T, device=q.device)[:, None]
+    scores = (q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])).masked_fill(hidden, float("-inf"))
+    keep = (torch.arange(S, device=q.device) <= pos + T - 1)[:, None]
+    return torch.softmax(scores, -1) @ torch.where(keep, v, torch.zeros_like(v))
+
+
+@pytest.mark.parametrize("attention, keys, values", [
+    (static_attention_explicit, False, True),       # masked_fill: the NaN score is replaced
+    (static_attention, True, True),                 # sdpa adds its mask: NaN + -inf = NaN
+    (attention_zeroes_hidden_values, False, False),
+])
+def test_hidden_nan_accepts_the_truth(attention, keys, values, capsys):
+    check_hidden_nan(StaticCache, attention, keys, values)
+    assert "PASSED check_hidden_nan" in capsys.readouterr().out
+
+
+def test_hidden_nan_rejects():
+    expect_rejected(lambda a: check_hidden_nan(StaticCache, a, False, False), static_attention_explicit,
+                    "you predicted a finite output", "0 * NaN = NaN")
+    expect_rejected(lambda a: check_hidden_nan(StaticCache, a, True, True), static_attention_explicit,
+                    "masked_fill")
+    expect_rejected(lambda c: check_hidden_nan(c, static_attention_explicit, False, True), CacheResetKeepsKeys,
+                    "zero the buffers in reset()")
+    expect_rejected(lambda a: check_hidden_nan(StaticCache, a, "NaN", True), static_attention_explicit,
+                    "True")
+
+
+def static_generate_feeds_views(model, cache, step, input_ids, max_new_tokens):
+    """Right tokens, but feeds the step views into its output tensor, whose width (so the views'
+    strides) changes with the prompt: a second graph for the second prompt."""
+    B, T = input_ids.shape
+    out = torch.empty(B, T + max_new_tokens, dtype=torch.long)
+    out[:, :T] = input_ids
+    if max_new_tokens:
+        cache.reset()
+        with torch.no_grad():
+            out[:, T] = model(input_ids, cache, last_only=True)[:, -1].argmax(-1)
+            pos = torch.tensor(T)
+            for t in range(T + 1, T + max_new_tokens):
+                out[:, t] = step(out[:, t - 1:t], pos)
+                pos = pos + 1
+    return out
+
+
+def test_static_generate_rejects_a_changing_layout():
+    expect_rejected(check_static_generate, static_generate_feeds_views, "strides", "same layout")
+
+
+# ------------------------------------------------ issue 24: the unit graders against the kinds
+
+class CacheReturnsList(StaticCache):                # correct: a list [keys, values], as the model accepts
+    def update(self, layer, k, v, pos=None):
+        return list(super().update(layer, k, v, pos))
+
+
+class CacheOneBuffer(StaticCache):                  # keys and values in one buffer: values over keys
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.values = self.keys
+
+
+class CacheToListSlots(StaticCache):                # the slots read back with .tolist()
+    def update(self, layer, k, v, pos=None):
+        for j, s in enumerate((pos + torch.arange(k.shape[2])).tolist()):
+            self.keys[layer][:, :, s] = k[:, :, j]
+            self.values[layer][:, :, s] = v[:, :, j]
+        return self.keys[layer], self.values[layer]
+
+
+class CacheIteratesSlots(StaticCache):              # iterates over a tensor of slots
+    def update(self, layer, k, v, pos=None):
+        for j, s in enumerate(pos + torch.arange(k.shape[2])):
+            self.keys[layer][:, :, s] = k[:, :, j]
+            self.values[layer][:, :, s] = v[:, :, j]
+        return self.keys[layer], self.values[layer]
+
+
+class CacheAdvancesPos(StaticCache):                # moves the caller's position on, in place
+    def update(self, layer, k, v, pos=None):
+        out = super().update(layer, k, v, pos)
+        if layer == len(self.keys) - 1:
+            pos += k.shape[2]
+        return out
+
+
+class CacheOnCpuAlways(StaticCache):                # ignores device=
+    def __init__(self, n_layer, batch_size, n_head, head_dim, max_len, dtype=torch.float32, device="cpu"):
+        super().__init__(n_layer, batch_size, n_head, head_dim, max_len, dtype, "cpu")
+
+
+class CacheClassBuffers:                            # buffers on the class: every cache shares them
+    store = {}
+
+    def __init__(self, n_layer, batch_size, n_head, head_dim, max_len, dtype=torch.float32, device="cpu"):
+        key = (n_layer, batch_size, n_head, head_dim, max_len, dtype, str(device))
+        shape = (batch_size, n_head, max_len, head_dim)
+        if key not in CacheClassBuffers.store:
+            CacheClassBuffers.store[key] = [[torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layer)]
+                                            for _ in range(2)]
+        self.k, self.v = CacheClassBuffers.store[key]
+
+    def update(self, layer, k, v, pos):
+        slots = pos + torch.arange(k.shape[2], device=k.device)
+        self.k[layer].index_copy_(2, slots, k)
+        self.v[layer].index_copy_(2, slots, v)
+        return self.k[layer], self.v[layer]
+
+    def reset(self):
+        for t in self.k + self.v:
+            t.zero_()
+
+
+def test_cache_accepts_a_list(capsys):
+    check_static_cache(CacheReturnsList)
+    assert "PASSED" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("impl, needles", [
+    (CacheOneBuffer, ["share one buffer"]),
+    (CacheToListSlots, [".tolist()", "graph break"]),
+    (CacheIteratesSlots, ["iterating over a tensor"]),
+    (CacheAdvancesPos, ["modified its argument pos"]),
+    (CacheOnCpuAlways, ["device='meta'", "on cpu"]),
+    (CacheClassBuffers, ["two caches alive at once"]),
+])
+def test_cache_rejects_issue_24(impl, needles):
+    CacheClassBuffers.store.clear()
+    expect_rejected(check_static_cache, impl, *needles)
+
+
+_SEEN: dict = {}
+
+
+def attention_remembers(q, k, v, pos):
+    key = (tuple(q.shape), tuple(k.shape), q.device)
+    if key not in _SEEN:
+        _SEEN[key] = static_attention_explicit(q, k, v, pos)
+    return _SEEN[key].clone()
+
+
+def attention_mask_on_cpu(q, k, v, pos):            # torch.arange without device=
+    T, S = q.shape[-2], k.shape[-2]
+    hidden = torch.arange(S)[None] > pos.cpu() + torch.arange(T)[:, None]
+    scores = (q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])
+    return torch.softmax(scores.masked_fill(hidden, float("-inf")), -1) @ v
+
+
+def attention_tolist(q, k, v, pos):
+    return static_attention_explicit(q, k, v, torch.tensor(pos.tolist()))
+
+
+def attention_off_on_last_query(q, k, v, pos):      # a mistake with no name
+    out = static_attention_explicit(q, k, v, pos).clone()
+    out[:, :, -1] += 0.01
+    return out
+
+
+@pytest.mark.parametrize("impl, needles", [
+    (attention_remembers, ["remembered result"]),
+    (attention_mask_on_cpu, ["meta", "device=q.device"]),
+    (attention_tolist, [".tolist()"]),
+    (attention_off_on_last_query, ["largest error", "wrong queries"]),
+])
+def test_attention_rejects_issue_24(impl, needles):
+    _SEEN.clear()
+    expect_rejected(check_static_attention, impl, *needles)
+
+
+def test_library_refused():
+    from kvlab import static
+
+    expect_rejected(check_static_cache, static.StaticCache, "kvlab.static.StaticCache", "yourself")
+    expect_rejected(check_static_attention, static.static_attention, "kvlab.static.static_attention")
+    expect_rejected(lambda c: check_no_recompile(c, static_attention), static.StaticCache, "library's own")

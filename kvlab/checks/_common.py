@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import functools
 import inspect
+import os
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -192,6 +193,16 @@ class Call:
     cache: object
     cache_len: int | None       # get_seq_length() before the call (None: no cache passed)
     use_cache: object
+    autocast: str | None = None     # the dtype torch.autocast imposed on the call, if any
+    ran_in: torch.dtype | None = None   # the dtype of the logits it returned
+
+
+def _autocast() -> str | None:
+    """The autocast dtype in force right now (CPU or CUDA), or None."""
+    for device in ("cpu", "cuda"):
+        if torch.is_autocast_enabled(device):
+            return str(torch.get_autocast_dtype(device)).replace("torch.", "")
+    return None
 
 
 def _cache_len(cache):
@@ -215,11 +226,15 @@ class Recorder:
         take = lambda t: None if t is None else t.detach().cpu().clone()  # noqa: E731
         call = Call(take(a.get("input_ids")), take(a.get("attention_mask")),
                     take(a.get("position_ids")),
-                    cache, _cache_len(cache), a.get("use_cache", extra.get("use_cache")))
+                    cache, _cache_len(cache), a.get("use_cache", extra.get("use_cache")),
+                    _autocast())
         self.calls.append(call)
         if self.on_call is not None:
             self.on_call(call, len(self.calls))
-        return self.inner(*args, **kwargs)
+        out = self.inner(*args, **kwargs)
+        logits = getattr(out, "logits", None)
+        call.ran_in = logits.dtype if isinstance(logits, torch.Tensor) else None
+        return out
 
 
 def _refuse_generate(check):
@@ -255,6 +270,15 @@ class LearnerModel:
             raise fail(self.check, "your function changed the model it was given: "
                                    + "; ".join(changes)
                                    + ". Leave the model as it is (work on your own tensors)")
+        dtype = next(self.reference.parameters()).dtype
+        for k, c in enumerate(self.record.calls, start=1):
+            if c.autocast is not None or c.ran_in not in (None, dtype):
+                how = (f"under torch.autocast({c.autocast})" if c.autocast is not None else
+                       f"in {c.ran_in} (its logits came back in {c.ran_in})")
+                raise fail(self.check, f"forward call #{k} ran {how}: the model was given to you "
+                                       f"in {dtype} and must compute in {dtype}. In lower "
+                                       "precision the argmax can change (it happened not to on "
+                                       "these prompts); drop the autocast / the cast")
 
     @property
     def calls(self):
@@ -275,3 +299,310 @@ def run_cases(cases, grade) -> int:
     for case in cases:
         grade(case)
     return len(cases)
+
+
+# ------------------------------------------------------------------ what every check does around it
+
+_CHECKS_DIR = os.path.dirname(os.path.abspath(__file__))
+_KVLAB_DIR = os.path.dirname(_CHECKS_DIR)
+
+
+def _in_kvlab(module: str | None) -> bool:
+    return bool(module) and (module == "kvlab" or module.startswith("kvlab."))
+
+
+def library_origin(obj) -> str | None:
+    """``"kvlab.x.name"`` when ``obj`` is (or hands straight on to) the library's own code: a kvlab
+    function, class or callable object; a bound method, ``functools.partial`` or ``functools.wraps``
+    wrapper of one; a class that inherits a concrete kvlab class. ``None``: the learner's own."""
+    for _ in range(8):                     # peel wrappers: partial, bound method, functools.wraps
+        inner = (getattr(obj, "func", None) if isinstance(obj, functools.partial)
+                 else getattr(obj, "__func__", None) or getattr(obj, "__wrapped__", None))
+        if inner is None:
+            break
+        obj = inner
+    if inspect.isclass(obj):
+        for klass in obj.__mro__:
+            if _in_kvlab(klass.__module__) and not inspect.isabstract(klass):
+                return f"{klass.__module__}.{klass.__qualname__}"
+        return None
+    if inspect.isfunction(obj) or inspect.isbuiltin(obj):
+        code = getattr(obj, "__code__", None)
+        from_file = code is not None and os.path.abspath(code.co_filename).startswith(_KVLAB_DIR)
+        if _in_kvlab(getattr(obj, "__module__", None)) or from_file:
+            return f"{obj.__module__}.{obj.__qualname__}"
+        return None
+    if callable(obj) and _in_kvlab(type(obj).__module__):
+        return f"{type(obj).__module__}.{type(obj).__qualname__}"
+    return None
+
+
+def _codes(code):
+    """A code object and every function, lambda or class body defined inside it."""
+    yield code
+    for const in code.co_consts:
+        if inspect.iscode(const):
+            yield from _codes(const)
+
+
+def _own_functions(obj):
+    """The learner's own functions behind ``obj``: itself, or the methods its class defines."""
+    if inspect.isclass(obj):
+        for klass in obj.__mro__:
+            if klass is object or _in_kvlab(klass.__module__):
+                continue
+            for value in vars(klass).values():
+                value = getattr(value, "fget", value)           # a property's getter
+                value = getattr(value, "__func__", value)       # static/class methods
+                if inspect.isfunction(value):
+                    yield value
+    elif inspect.isfunction(inspect.unwrap(obj)):
+        yield inspect.unwrap(obj)
+
+
+# kvlab modules that are tools, not answers: a learner's code may import these
+_LIBRARY_TOOLS = ("kvlab.models", "kvlab.timing", "kvlab.plots", "kvlab.checks")
+
+
+def library_calls(obj) -> list[str]:
+    """The kvlab functions and classes the learner's ``obj`` names in its code (read from the code,
+    not run): ``gpt2.attention(...)`` or ``attention(...)`` imported from kvlab, in a wrapper."""
+    import builtins
+    import dis
+
+    found = []
+    for fn in _own_functions(obj):
+        g = getattr(fn, "__globals__", {})
+        for code in _codes(fn.__code__):
+            ops = list(dis.get_instructions(code))
+            for n, (op, after) in enumerate(zip(ops, ops[1:] + [None])):
+                if op.opname == "IMPORT_NAME" and _in_kvlab(str(op.argval)):
+                    names = []
+                    for later in ops[n + 1:]:           # from kvlab.x import a, b
+                        if later.opname != "IMPORT_FROM" and later.opname.startswith("IMPORT"):
+                            break
+                        if later.opname == "IMPORT_FROM":
+                            names.append(f"{op.argval}.{later.argval}")
+                    used = [m for m in names or [str(op.argval)]
+                            if not m.startswith(_LIBRARY_TOOLS)]
+                    found += [f"{m} (imported inside your code)" for m in used]
+                    continue
+                if op.opname not in ("LOAD_GLOBAL", "LOAD_NAME") or not isinstance(op.argval, str):
+                    continue                     # only global names, not attributes or locals
+                value = g.get(op.argval, getattr(builtins, op.argval, None))
+                if inspect.ismodule(value) and _in_kvlab(value.__name__):
+                    if after is not None and after.opname in ("LOAD_ATTR", "LOAD_METHOD"):
+                        value = getattr(value, str(after.argval), None)   # kvlab.x.name
+                    else:
+                        continue
+                where = None if value is None or inspect.ismodule(value) else library_origin(value)
+                if where is not None:
+                    found.append(where)
+    return sorted(set(found))
+
+
+def refuse_library(check: str, args) -> None:
+    """A learner who hands the library's own reference to a grader, or a wrapper that calls it, is
+    told to write their own."""
+    for a in args:
+        where = library_origin(a)
+        if where is not None:
+            raise fail(check, f"you handed in {where}, the library's own implementation (or a "
+                              "class built on it). The exercise is to write it yourself: define "
+                              "your own function or class in the notebook and pass that")
+        calls = library_calls(a)
+        if calls:
+            raise fail(check, f"your code uses {', '.join(calls[:3])}, the library's own "
+                              "implementation. The exercise is to write it yourself (torch and "
+                              "transformers are yours to use; kvlab's answers are not)")
+
+
+def _grader_frame(tb) -> bool:
+    return os.path.abspath(tb.tb_frame.f_code.co_filename).startswith(_CHECKS_DIR)
+
+
+def _learner_frames(tb):
+    """A traceback without its leading grader frames (what is left: the learner's code, and the
+    library or torch code it called)."""
+    while tb is not None and _grader_frame(tb):
+        tb = tb.tb_next
+    return tb
+
+
+def _trimmed(failure: BaseException) -> BaseException:
+    """``failure`` with the grader's frames cut: a learner reads their own mistake and the message,
+    not the grader's source (its table of mistakes, the answer's formula). Its cause, if any, is
+    the learner's own exception, trimmed to the learner's frames (and dropped if none is left)."""
+    cause, seen = failure.__cause__, {id(failure)}
+    while isinstance(cause, GraderFailure) and id(cause) not in seen:   # a verdict explained again
+        seen.add(id(cause))
+        cause = cause.__cause__
+    if cause is not None:
+        cause.__traceback__ = _learner_frames(cause.__traceback__)
+        cause.__context__, cause.__cause__ = None, None
+        if cause.__traceback__ is None:
+            cause = None
+    failure.__cause__, failure.__context__ = cause, None
+    failure.__suppress_context__ = True
+    if not isinstance(failure, GraderFailure):          # a stub's NotImplementedError: their frames
+        failure.__traceback__ = _learner_frames(failure.__traceback__)
+    else:
+        failure.__traceback__ = None
+    return failure
+
+
+def grader(check=None, *, own_work: bool = True):
+    """Decorate a ``check_*``: it refuses the library's own implementations (``own_work``) and, when
+    it fails, raises its verdict without the grader's frames in the traceback."""
+    def wrap(check):
+        @functools.wraps(check)
+        def run(*args, **kwargs):
+            __tracebackhide__ = True  # noqa: F841 - pytest and IPython hide this frame
+            try:
+                if own_work:
+                    refuse_library(check.__name__, list(args) + list(kwargs.values()))
+                return check(*args, **kwargs)
+            except (GraderFailure, NotImplementedError) as e:
+                verdict = e
+            except Exception as e:  # noqa: BLE001 - what was handed in broke the grading itself
+                verdict = fail(check.__name__, f"grading stopped on {type(e).__name__}: {e}. What "
+                                               "you handed in does not follow the contract the "
+                                               "exercise describes (a missing method or "
+                                               "attribute, another return type?)")
+                verdict.__cause__ = e
+            # The check failed. Its message, below, names the mistake and the fix; the grader's
+            # own frames are cut from this traceback (what is left above is your code).
+            raise _trimmed(verdict)
+        return run
+    return wrap if check is None else wrap(check)
+
+
+# ---------------------------------------------------------------- inputs, devices, values read back
+
+def _tensor_items(args, kwargs, names):
+    for i, a in enumerate(args):
+        yield (names[i] if i < len(names) else f"argument #{i + 1}"), a
+    yield from kwargs.items()
+
+
+def call_unmodified(check: str, what: str, fn, *args, **kwargs):
+    """:func:`learner_call`, then a failure naming any tensor argument the call modified in place
+    (a position tensor as much as q, k, v: the caller still uses it)."""
+    try:
+        names = list(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        names = []
+    before = [(n, t, t.clone()) for n, t in _tensor_items(args, kwargs, names)
+              if isinstance(t, torch.Tensor)]
+    out = learner_call(check, what, fn, *args, **kwargs)
+    for name, t, saved in before:
+        same = (t.shape == saved.shape and t.dtype == saved.dtype) if t.device.type == "meta" \
+            else t.shape == saved.shape and t.dtype == saved.dtype and torch.equal(t, saved)
+        if not same:
+            raise fail(check, f"{what} modified its argument {name} in place; the caller still "
+                              "uses it. Compute new tensors (x + 1, not x += 1 or x.add_(1))")
+    return out
+
+
+def held_tensors(obj, depth: int = 2):
+    """Every tensor an object holds in its attributes (directly, or in lists/tuples/dicts, nested
+    ``depth`` deep), as (name, tensor)."""
+    def walk(name, v, d):
+        if isinstance(v, torch.Tensor):
+            yield name, v
+        elif d > 0 and isinstance(v, dict):
+            for k, x in v.items():
+                yield from walk(f"{name}[{k!r}]", x, d - 1)
+        elif d > 0 and isinstance(v, (list, tuple)):
+            for i, x in enumerate(v):
+                yield from walk(f"{name}[{i}]", x, d - 1)
+    for k, v in getattr(obj, "__dict__", {}).items():
+        yield from walk(k, v, depth)
+
+
+def misplaced(tensors, device: str, dtype=None) -> list[str]:
+    """Names of the ``(name, tensor)`` pairs not on ``device`` (or, floating point, not ``dtype``)."""
+    bad = []
+    for name, t in tensors:
+        if t.device.type != torch.device(device).type:
+            bad.append(f"{name} on {t.device}")
+        elif dtype is not None and t.is_floating_point() and t.dtype != dtype:
+            bad.append(f"{name} in {t.dtype}")
+    return bad
+
+
+class ValueReads:
+    """Counts every read of a tensor's value back into Python inside a ``with`` block: ``.item()``,
+    ``int()``/``float()``/``bool()``/indexing with a tensor (the aten op ``_local_scalar_dense``),
+    ``.tolist()``, ``.numpy()``, iterating over a tensor. Eager code does not mind; under
+    ``torch.compile`` each is a graph break, or the value becomes a constant of the graph.
+    ``what`` lists them, e.g. ``['.tolist()', 'int(tensor)']``."""
+
+    _METHODS = {"tolist": ".tolist()", "numpy": ".numpy()", "__iter__": "iterating over a tensor",
+                "item": ".item()", "__int__": "int(tensor)", "__float__": "float(tensor)",
+                "__bool__": "an if on a tensor", "__index__": "slicing or indexing with a tensor"}
+    _DISPATCH = "a value read back (.item(), or slicing/indexing with a tensor)"
+
+    def __init__(self):
+        self.what: list[str] = []
+
+    def __enter__(self):
+        from torch.overrides import TorchFunctionMode
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        reads = self
+
+        class _Functions(TorchFunctionMode):
+            def __torch_function__(self, func, types, args=(), kwargs=None):
+                name = getattr(func, "__name__", "")
+                if name in ValueReads._METHODS:
+                    reads.what.append(ValueReads._METHODS[name])
+                return func(*args, **(kwargs or {}))
+
+        class _Dispatch(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                if func is torch.ops.aten._local_scalar_dense.default:
+                    reads.what.append(ValueReads._DISPATCH)
+                return func(*args, **(kwargs or {}))
+
+        self._modes = [_Functions(), _Dispatch()]
+        for m in self._modes:
+            m.__enter__()
+        # iterating reads no value by itself, but hands out 0-d tensors, and indexing with those
+        # makes torch.compile stop (a data-dependent index): watch it too
+        self._iter = torch.Tensor.__iter__
+
+        def iterate(tensor):
+            reads.what.append("iterating over a tensor")
+            return self._iter(tensor)
+        torch.Tensor.__iter__ = iterate
+        return self
+
+    def __exit__(self, *exc):
+        torch.Tensor.__iter__ = self._iter
+        for m in reversed(self._modes):
+            m.__exit__(*exc)
+        return False
+
+    @property
+    def count(self) -> int:
+        return len(self.what)
+
+    def named(self) -> str:
+        """The ways seen, e.g. ``"int(tensor), .tolist()"`` (a read inside an op only when nothing
+        more precise was seen)."""
+        precise = [w for w in dict.fromkeys(self.what) if w != self._DISPATCH]
+        return ", ".join(precise or list(dict.fromkeys(self.what)))
+
+
+# ------------------------------------------------------------------------ diagnoses, confirmed
+
+def confirmed(hypotheses, probes):
+    """The first ``(explains, message)`` whose ``explains(probe)`` holds on EVERY probe (two or more
+    inputs: one coincidence must not name a mistake), else ``None``."""
+    if len(probes) < 2:
+        raise ValueError("confirm a diagnosis on two or more inputs")
+    for explains, message in hypotheses:
+        if all(explains(p) for p in probes):
+            return message
+    return None

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 import torch
 
 from ..memory import context_length
-from ._common import (LearnerModel, check_generated_ids, expect_value_error, fail, first_difference,
+from ._common import (LearnerModel, check_generated_ids, confirmed, expect_value_error, fail,
+                      first_difference,
                       fresh_prompts, grading_model, learner_call, passed, reference_greedy,
                       run_cases, stopped_early, synthetic)
 
@@ -49,7 +50,11 @@ def single_prompt_cases(model, tok, sizes=(1, 4, 9)) -> list[Case]:
     eos_prompt = torch.cat([prompts[1], torch.tensor([[tok.eos_token_id]]), prompts[3]], 1)
     want = reference_greedy(model, prompts[2], 8)
     texts = [Case(f"grader text {i}", p, n) for i, p in enumerate(prompts[:3]) for n in sizes[i % 2:]]
+    # the same length and budget as an earlier case, other tokens: a remembered answer shows
+    twin = Case("grader text 0's length again, other tokens",
+                synthetic(prompts[0].shape[1], tok.vocab_size, salt=5), sizes[1])
     return texts + [
+        twin,
         Case("a one-token prompt", synthetic(1, tok.vocab_size), 6),
         Case("max_new_tokens=0", prompts[0], 0),
         Case("a prompt that fills the context exactly", synthetic(ctx - 2, tok.vocab_size), 2),
@@ -59,35 +64,52 @@ def single_prompt_cases(model, tok, sizes=(1, 4, 9)) -> list[Case]:
 
 
 @torch.no_grad()
-def diagnose_token(model, seq: torch.Tensor, pos: int) -> str:
-    """Explain why ``seq[0, pos]`` is not the greedy choice after ``seq[:, :pos]``."""
+def _token_probe(model, seq: torch.Tensor, pos: int):
+    """What the grader needs to explain ``seq[0, pos]``: the chosen id, the logits after the prefix,
+    and what the model predicts from the last prefix token alone."""
     prefix = seq[:, :pos]
-    got = int(seq[0, pos])
     logits = model(prefix).logits[0].float()
+    alone = int(model(prefix[:, -1:]).logits[0, -1].argmax())
+    return int(seq[0, pos]), logits, alone
+
+
+# Why a generated token is not the greedy one: (holds for one probe, message). A reason is named only
+# when it holds at two generated positions (one coincidence must not name a mistake).
+_TOKEN_MISTAKES = [
+    (lambda got, lg, alone: lg.shape[0] >= 2 and int(lg[-2].argmax()) == got,
+     "it is the argmax of the SECOND-TO-LAST position's logits: the next token comes from "
+     "logits[:, -1, :], the last position"),
+    (lambda got, lg, alone: lg.shape[0] >= 2 and int(lg[0].argmax()) == got,
+     "it is the argmax of the FIRST position's logits: the next token comes from "
+     "logits[:, -1, :], the last position"),
+    (lambda got, lg, alone: alone == got,
+     "it is what the model predicts when it sees ONLY THE LAST TOKEN: without a cache the "
+     "model must be fed the whole sequence so far (prompt + generated tokens) at every step"),
+]
+
+
+def diagnose_token(model, seq: torch.Tensor, pos: int, others=()) -> str:
+    """Explain why ``seq[0, pos]`` is not the greedy choice after ``seq[:, :pos]``. A mistake is
+    named only when it also explains the first wrong token of every one of ``others`` (the
+    learner's output on another prompt, as ``(seq, pos)``); else the message says what differs."""
+    got, logits, alone = _token_probe(model, seq, pos)
     want = int(logits[-1].argmax())
     gap = float(logits[-1, want] - logits[-1, got])
     if gap < 1e-2:
         return (f"its logit is only {gap:.1e} below the top one: a precision difference. Did you "
                 "run the model in another dtype (half precision, autocast) or change its weights?")
-    explanations = [
-        (prefix.shape[1] >= 2 and int(logits[-2].argmax()) == got,
-         "it is the argmax of the SECOND-TO-LAST position's logits: the next token comes from "
-         "logits[:, -1, :], the last position"),
-        (prefix.shape[1] >= 2 and int(logits[0].argmax()) == got,
-         "it is the argmax of the FIRST position's logits: the next token comes from "
-         "logits[:, -1, :], the last position"),
-        (int(model(prefix[:, -1:]).logits[0, -1].argmax()) == got,
-         "it is what the model predicts when it sees ONLY THE LAST TOKEN: without a cache the "
-         "model must be fed the whole sequence so far (prompt + generated tokens) at every step"),
-    ]
-    for holds, why in explanations:
-        if holds:
-            return why
+    probes = [(got, logits, alone)] + [_token_probe(model, s, p) for s, p in others]
+    if len(probes) >= 2:
+        named = confirmed([(lambda p, f=f: f(*p), m) for f, m in _TOKEN_MISTAKES], probes)
+        if named is not None:
+            return named
     rank = int((logits[-1] > logits[-1, got]).sum())
     prob = float(torch.softmax(logits[-1], -1)[got])
-    return (f"the model's top choice there is token {want}, but you chose token {got} (rank "
-            f"{rank}, probability {prob:.3f}): greedy decoding takes the argmax, it does not "
-            "sample")
+    why = (f"the model's top choice there is token {want}, but you chose token {got} (rank {rank}, "
+           f"probability {prob:.3f})")
+    if len(probes) >= 2:
+        return why + ", and so on another prompt: greedy decoding takes the argmax, it does not sample"
+    return why + "; on another prompt your tokens came out right, so look for what differs here"
 
 
 def no_cache_rule(check: str, calls, T: int) -> None:
@@ -105,10 +127,33 @@ def no_cache_rule(check: str, calls, T: int) -> None:
                               "tokens) at every step")
 
 
-def compare_tokens(check: str, model, out, want, T: int, n: int) -> None:
+def stale(check: str, prompt, out, want, answers) -> None:
+    """Name a generator that hands back an earlier answer: its new tokens are those of an earlier
+    prompt of the same length (a result remembered by shape, or kept from the previous call)."""
+    T = prompt.shape[1]
+    if torch.equal(out, want):
+        return
+    for earlier, new in answers:
+        if earlier.shape == prompt.shape and not torch.equal(earlier, prompt) \
+                and out.shape[1] == T + len(new) and torch.equal(out[0, T:], new):
+            raise fail(check, f"prompt of {T} tokens: your new tokens are exactly those of an "
+                              f"EARLIER prompt of the same length ({new.tolist()[:6]}...), not "
+                              "this prompt's: your function remembers an earlier answer (a "
+                              "result kept by shape, or state left from the previous call). "
+                              "Compute every call from the prompt it is given")
+
+
+def compare_tokens(check: str, model, out, want, T: int, n: int, other=None) -> None:
+    """The tokens, token for token; on a difference, the reason, confirmed on ``other()``: the
+    learner's output and the reference for another prompt of the same length."""
     i = first_difference(out[0], want[0])
     if i >= 0:
-        why = diagnose_token(model, out, i)
+        others = []
+        if other is not None:
+            seq, ref = other()
+            j = first_difference(seq[0], ref[0]) if seq.shape == ref.shape else -1
+            others = [(seq, j)] if j >= 0 else []
+        why = diagnose_token(model, out, i, others)
         raise fail(check, f"prompt of {T} tokens, max_new_tokens={n}: new token #{i - T + 1} "
                           f"(position {i}) is {int(out[0, i])}, the reference greedy token is "
                           f"{int(want[0, i])}: {why}")
@@ -120,6 +165,7 @@ def grade_single_prompts(check: str, fn_name: str, fn, use_cache: bool, rule, on
     lab's own ``rule(calls, T, n)`` on the forward calls it made. Returns the number of cases."""
     model, tok = grading_model()
     guard = LearnerModel(check, model)
+    answers: list = []          # (prompt, new tokens) of the cases graded so far
 
     def grade(case: Case) -> None:
         T, n = case.prompt.shape[1], case.n
@@ -131,8 +177,18 @@ def grade_single_prompts(check: str, fn_name: str, fn, use_cache: bool, rule, on
         if case.eos is not None:
             stopped_early(check, out, T, n, case.eos)
         check_generated_ids(check, out, case.prompt, before, n)
+        stale(check, case.prompt, out.cpu(), want, answers)
         rule(guard.calls, T, n)
-        compare_tokens(check, model, out.cpu(), want, T, n)
+        def other():                    # another prompt of this length, three more tokens
+            prompt = synthetic(T, tok.vocab_size, salt=29)
+            ref = reference_greedy(model, prompt, n + 3, use_cache=use_cache)
+            with guard.case(case.eos) as mine:
+                more = learner_call(check, f"{case.name}: {fn_name}(model, <another [1, {T}] "
+                                           f"prompt>, {n + 3})", fn, mine, prompt, n + 3)
+            return (more.cpu() if isinstance(more, torch.Tensor) else ref), ref
+
+        compare_tokens(check, model, out.cpu(), want, T, n, other)
+        answers.append((case.prompt, out[0, T:].cpu()))
 
     return run_cases(single_prompt_cases(model, tok), grade)
 
@@ -205,7 +261,9 @@ def check_sample_generate(sample_generate) -> None:
     prompts = fresh_prompts(tok)
     guard = LearnerModel(NAME_SAMPLE, model)
     # the first case samples hot (1.4, no top-k): there a greedy or mis-seeded sampler shows at once
-    cases = [(prompts[3], 10, 12, 1.4, None), (prompts[0], 12, 11, 0.7, 20),
+    # the second case repeats the first under another seed: a remembered answer shows
+    cases = [(prompts[3], 10, 12, 1.4, None), (prompts[3], 10, 16, 1.4, None),
+             (prompts[0], 12, 11, 0.7, 20),
              (prompts[2], 8, 13, 1.0, 5),
              (prompts[1], 6, 14, 0.3, 1), (synthetic(1, tok.vocab_size), 5, 15, 2.0, 50)]
 
@@ -217,6 +275,19 @@ def check_sample_generate(sample_generate) -> None:
             torch.manual_seed(seed)
             out = learner_call(NAME_SAMPLE, what, sample_generate, mine, prompt, n, t, k)
         check_generated_ids(NAME_SAMPLE, out, prompt, prompt.clone(), n)
+        greedy = reference_greedy(model, prompt, n, use_cache=False)
+        if not torch.equal(out.cpu(), want) and not torch.equal(out.cpu(), greedy):
+            with guard.case() as mine:                 # the same call under another seed
+                torch.manual_seed(seed + 1000)
+                other = learner_call(NAME_SAMPLE, what, sample_generate, mine, prompt, n, t, k)
+            if torch.equal(other.cpu(), out.cpu()) and not torch.equal(want, hf_sample(
+                    model, prompt, n, seed + 1000, t, k)):
+                raise fail(NAME_SAMPLE, f"{what} gave the same tokens after torch.manual_seed("
+                                        f"{seed}) and after torch.manual_seed({seed + 1000}): "
+                                        "your sampler does not draw from the global generator "
+                                        "that torch.manual_seed sets (a generator of your own, "
+                                        "or a remembered result). Call torch.multinomial(probs, "
+                                        "1) without generator=")
         if not torch.equal(out.cpu(), want):
             raise fail(NAME_SAMPLE, f"{what} after torch.manual_seed({seed}): "
                                     + _diagnose_sampling(model, out.cpu(), case))

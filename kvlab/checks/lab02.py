@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from ._common import (Call, LearnerModel, expect_value_error, fail, fresh_prompts, grading_model,
-                      learner_call, passed, reference_greedy, run_cases)
+                      learner_call, passed, reference_greedy, run_cases, synthetic)
 from .lab01 import grade_single_prompts, grading_eos
 
 NAME = "check_cached_generate"
@@ -121,6 +121,8 @@ def _until_cases(model, tok):
     return [("the first new token is end-of-text", p[2], 10, first),
             ("end-of-text comes up as new token #4", p[2], 10, later),
             ("end-of-text never comes up", p[1], 8, never),
+            ("the same length and budget, other tokens", synthetic(p[1].shape[1], tok.vocab_size),
+             8, never),
             ("the end-of-text id also appears inside the prompt", p[0], 6, in_prompt),
             ("max_new_tokens=0", p[3], 0, first)]
 

@@ -145,6 +145,9 @@ def _bytes_cases():
     real = "measured from a real DynamicCache"
     cases = [(label, cfg, T, B, dt, measure_config(cfg, T, B, dt), real)
              for (label, cfg), (T, B, dt) in zip(_tiny_configs(), sizes)]
+    label, cfg = cases[1][:2]        # the same config object again, twice the tokens: a
+    cases.append((label + ", again with twice the tokens", cfg, 14, 3, torch.float32,  # remembered
+                  measure_config(cfg, 14, 3, torch.float32), real))                 # answer shows
     model, _ = grading_model()       # the bundled, trained model: a real GPT-2 forward pass
     cases.append(("the bundled kvlab-tiny model", model.config, 21, 2, torch.float32,
                   measured_cache_bytes(fill_dynamic_cache(model, 21, 2, decode_steps=3)), real))
@@ -191,6 +194,42 @@ def _boundaries(per, label):
             (1000 * per, 1000, f"free_bytes holds exactly 1000 {label}")]
 
 
+def _gemma_like():
+    """A config that sets head_dim explicitly (256, while hidden_size / heads = 224)."""
+    from transformers import Gemma2Config
+
+    return Gemma2Config(hidden_size=3584, num_hidden_layers=42, num_attention_heads=16,
+                        num_key_value_heads=8, head_dim=256)
+
+
+def _per_unit(cfg, dt, tokens: int, batch: int, head_dim=None) -> int:
+    layers, _, kv, hd, _ = _shape(cfg)
+    return 2 * layers * kv * (head_dim or hd) * tokens * batch * _itemsize(dt)
+
+
+def _boundary_cases(configs, per_of, labels):
+    cases = []
+    for label, cfg, n, dt in configs:
+        per = per_of(cfg, n, dt)
+        cases += [(label, cfg, n, dt, per, *b) for b in _boundaries(per, labels)]
+    return cases
+
+
+def _explicit_head_dim_hint(cases, answers, wrong_answer, i) -> str:
+    """The hidden_size / heads mistake, named only when ``wrong_answer(case, head_dim)`` (the
+    answer with that head_dim) explains every case of that config."""
+    label, cfg = cases[i][:2]
+    _, _, _, hd, split = _shape(cfg)
+    if hd == split:
+        return ""
+    mine = [j for j, c in enumerate(cases) if c[0] == label]
+    if len(mine) >= 2 and all(answers[j] == wrong_answer(cases[j], split) for j in mine):
+        return (f": you computed head_dim as hidden_size / num_attention_heads = {split}, but this "
+                f"config sets head_dim = {hd} explicitly, and the model uses that value: read "
+                "config.head_dim when it is set")
+    return ""
+
+
 def _boundary_hint(got, want, free, per, unit="batch") -> str:
     if got == want + 1 and got == math.ceil(free / per):
         return (f": you rounded the {unit} UP. What only partly fits does not fit: round down "
@@ -202,26 +241,29 @@ def _boundary_hint(got, want, free, per, unit="batch") -> str:
 
 def check_max_batch_size(max_batch_size) -> None:
     """Grade ``max_batch_size(config, seq_len, dtype, free_bytes) -> int`` at the fit/no-fit
-    boundaries."""
+    boundaries, on configs with and without an explicit head_dim."""
     from transformers import GPT2Config
 
     configs = [("GPT-2 small", GPT2Config(), 1024, torch.float16),
                ("Llama-3.1-8B's shape", _llama(4096, 32, 32, 8), 8192, torch.bfloat16),
-               ("a small GQA model in fp32", _llama(48, 3, 6, 2), 100, torch.float32)]
-    cases = []
-    for label, cfg, T, dt in configs:
-        layers, _, kv, head_dim, _ = _shape(cfg)
-        per = 2 * layers * kv * head_dim * T * _itemsize(dt)
-        cases += [(label, cfg, T, dt, per, *b) for b in _boundaries(per, "sequences' caches")]
-    for label, cfg, T, dt, per, free, want, what in cases:
-        got = _as_int(_call(max_batch_size, NAME_BATCH, (cfg, T, dt, free)), NAME_BATCH,
-                      f"{label}, {what}")
+               ("a small GQA model in fp32", _llama(48, 3, 6, 2), 100, torch.float32),
+               ("Gemma-2-9B's shape (head_dim 256 set explicitly; hidden_size / heads = 224)",
+                _gemma_like(), 2048, torch.bfloat16)]
+    per_of = lambda cfg, T, dt, hd=None: _per_unit(cfg, dt, T, 1, hd)  # noqa: E731
+    cases = _boundary_cases(configs, per_of, "sequences' caches")
+    answers = [_as_int(_call(max_batch_size, NAME_BATCH, (cfg, T, dt, free)), NAME_BATCH,
+                       f"{label}, {what}") for label, cfg, T, dt, per, free, want, what in cases]
+    for i, (label, cfg, T, dt, per, free, want, what) in enumerate(cases):
+        got = answers[i]
         if got != want:
+            wrong = lambda c, hd: c[5] // per_of(c[1], c[2], c[3], hd)  # noqa: E731
+            hint = (_explicit_head_dim_hint(cases, answers, wrong, i)
+                    or _boundary_hint(got, want, free, per))
             raise fail(NAME_BATCH, f"{label}, seq_len={T}, {dt}: one sequence's cache takes {per:,} "
                                    f"bytes; {what} (free_bytes={free:,}), so the answer is {want}, "
-                                   f"you returned {got}" + _boundary_hint(got, want, free, per))
+                                   f"you returned {got}" + hint)
     passed(NAME_BATCH, f"{len(cases)} boundary cases (exact fit, one byte short, zero fits) on "
-                       f"{len(configs)} configs")
+                       f"{len(configs)} configs (one with an explicit head_dim)")
 
 
 NAME_SEQ = "check_max_seq_len"
@@ -237,24 +279,29 @@ def check_max_seq_len(max_seq_len) -> None:
                             num_key_value_heads=8, head_dim=None)
     configs = [("GPT-2 small (context 1,024)", GPT2Config(), 4, torch.float16),
                ("a Mixtral-style GQA config, head_dim None (context 32,768)", mixtral, 2,
+                torch.bfloat16),
+               ("Gemma-2-9B's shape, head_dim 256 set explicitly (context 8,192)", _gemma_like(), 3,
                 torch.bfloat16)]
+    per_of = lambda cfg, B, dt, hd=None: _per_unit(cfg, dt, 1, B, hd)  # noqa: E731
     cases = []
     for label, cfg, B, dt in configs:
-        layers, _, kv, head_dim, _ = _shape(cfg)
-        per = 2 * layers * kv * head_dim * B * _itemsize(dt)
-        ctx = cfg.max_position_embeddings
+        per, ctx = per_of(cfg, B, dt), cfg.max_position_embeddings
         cases += [(label, cfg, B, dt, per, *b) for b in _boundaries(per, "tokens")[:4]]
         cases.append((label, cfg, B, dt, per, 10 * ctx * per, ctx,
                       "free_bytes holds ten times the model's context"))
-    for label, cfg, B, dt, per, free, want, what in cases:
-        got = _as_int(_call(max_seq_len, NAME_SEQ, (cfg, B, dt, free)), NAME_SEQ, f"{label}, {what}")
+    answers = [_as_int(_call(max_seq_len, NAME_SEQ, (cfg, B, dt, free)), NAME_SEQ,
+                       f"{label}, {what}") for label, cfg, B, dt, per, free, want, what in cases]
+    for i, (label, cfg, B, dt, per, free, want, what) in enumerate(cases):
+        got = answers[i]
         if got == want:
             continue
         hint = (": the model cannot attend past its context; cap the answer at "
                 "config.max_position_embeddings" if "context" in what else
-                _boundary_hint(got, want, free, per, "length"))
+                _explicit_head_dim_hint(cases, answers, lambda c, hd: min(
+                    c[5] // per_of(c[1], c[2], c[3], hd), c[1].max_position_embeddings), i)
+                or _boundary_hint(got, want, free, per, "length"))
         raise fail(NAME_SEQ, f"{label}, batch_size={B}, {dt}: one token of every sequence takes "
                              f"{per:,} bytes; {what} (free_bytes={free:,}), so the answer is {want}, "
                              f"you returned {got}" + hint)
     passed(NAME_SEQ, f"{len(cases)} boundary cases (exact fit, one byte short, capped at the "
-                     f"context) on {len(configs)} configs")
+                     f"context) on {len(configs)} configs (one with an explicit head_dim)")

@@ -219,6 +219,41 @@ def _check_dtypes(quantize, dequantize) -> None:
                              "rounding)")
 
 
+def _on_meta(fn, *args):
+    """``fn(*args)`` on meta tensors: the result, or None when the code needs the values (an if on
+    a tensor, boolean indexing: fine on a real device, impossible on meta, so nothing to judge)."""
+    try:
+        return fn(*args)
+    except Exception as e:  # noqa: BLE001 - sorted below
+        text = str(e)
+        if "expected device" in text or "same device" in text:
+            raise fail(NAME, f"on device='meta' inputs (shapes only) your code mixes devices: "
+                             f"{text.splitlines()[0]}. On a GPU the same happens: make every "
+                             "tensor you build on x's device (device=x.device)") from e
+        if "meta" in text or isinstance(e, NotImplementedError):
+            return None
+        raise fail(NAME, f"on device='meta' inputs your code raised {type(e).__name__}: "
+                         f"{text.splitlines()[0] if text else ''}") from e
+
+
+def _check_meta(quantize, dequantize) -> str:
+    """Every tensor returned lives on the input's device (checked on meta: no GPU needed)."""
+    x = torch.empty(2, 3, 8, 16, device="meta")
+    out = _on_meta(quantize, x, 4, -1)
+    if out is None:
+        return "meta not judged (your quantize reads values)"
+    names = ("q", "scale", "zero_point")
+    bad = [f"{n} on {t.device}" for n, t in zip(names, out) if isinstance(t, torch.Tensor)
+           and t.device.type != "meta"]
+    xhat = _on_meta(dequantize, *out) if not bad else None
+    if isinstance(xhat, torch.Tensor) and xhat.device.type != "meta":
+        bad.append(f"dequantize's result on {xhat.device}")
+    if bad:
+        raise fail(NAME, f"x on device='meta': {', '.join(bad)}. Every tensor you return must be "
+                         "on x's device (build them from x, or with device=x.device)")
+    return "meta inputs give meta outputs"
+
+
 def check_quantize(quantize, dequantize) -> None:
     """Grade asymmetric min/max ``quantize`` / ``dequantize`` against float64 arithmetic."""
     n = 0
@@ -229,13 +264,16 @@ def check_quantize(quantize, dequantize) -> None:
                 n += 1
         _check_constant(quantize, dequantize, bits)
     x = _inputs()[0][0]
+    _check_one(quantize, dequantize, -0.5 * x + 1, 4, -1)    # a shape seen before, other values
+    n += 1
     for bad in (0, 1, 3, 5, 6, 7, 16):
         expect_value_error(NAME, f"bits={bad}: bits must be one of (2, 4, 8), so this", quantize,
                            x.clone(), bad, -1)
     _check_dtypes(quantize, dequantize)
+    meta = _check_meta(quantize, dequantize)
     passed(NAME, f"{n} tensors/bits/dims round-trip within half a step (float64 reference), uint8 "
                  "codes, constant slices exact, fp16/bf16 statistics keep their dtype, "
-                 "unsupported bits (odd and even) rejected")
+                 f"unsupported bits (odd and even) rejected; {meta}")
 
 
 # ------------------------------------------------------------------ an integer zero point

@@ -13,6 +13,7 @@ and to name the mistake when the tokens differ.
 from __future__ import annotations
 
 import copy
+import operator
 
 import torch
 
@@ -27,6 +28,10 @@ NAME_GEN = "check_batched_generate"
 _MIXED = [GRADER_TEXTS[3], GRADER_TEXTS[5], GRADER_TEXTS[1], GRADER_TEXTS[0]]
 # A prompt that holds the pad / end-of-text token as a real token (a mask built as ids != pad breaks).
 _WITH_PAD = "Blessed <|endoftext|> be the LORD"
+
+
+# Token ids used as the pad id / the end-of-text id in some make_batch cases (not 0, the model's).
+_OTHER_PAD, _OTHER_EOS = 220, 13
 
 
 def _tokens(tok, text) -> list[int]:
@@ -123,34 +128,51 @@ def check_make_batch(make_batch) -> None:
     ctx = context_length(model)
     no_pad = copy.deepcopy(tok0)
     no_pad.pad_token = None                     # what real GPT-2's tokenizer looks like
-    cases = [(_MIXED, False), (_MIXED[::-1], True), ([GRADER_TEXTS[2]], False),
-             ([GRADER_TEXTS[1], GRADER_TEXTS[1]], False), ([_WITH_PAD, GRADER_TEXTS[0]], False)]
-    for prompts, without_pad in cases:
+    # pad and end-of-text ids other than the grading model's 0, so a hard-coded 0 shows
+    other_pad = copy.deepcopy(tok0)
+    other_pad.pad_token = other_pad.convert_ids_to_tokens(_OTHER_PAD)
+    other_eos = grading_tokenizer(no_pad, _OTHER_EOS)
+    cases = [(_MIXED, tok0, False), (_MIXED[::-1], no_pad, True), ([GRADER_TEXTS[2]], tok0, False),
+             ([GRADER_TEXTS[1], GRADER_TEXTS[1]], tok0, False),
+             ([_WITH_PAD, GRADER_TEXTS[0]], tok0, False), (_MIXED[1:], other_pad, False),
+             (_MIXED[:3], other_eos, True)]
+    for prompts, tok, without_pad in cases:
         # a fresh copy per call: a make_batch that sets padding_side or pad_token must not leak
-        tok = copy.deepcopy(no_pad if without_pad else tok0)
-        _grade_one_batch(make_batch, tok, prompts, ctx, without_pad)
+        _grade_one_batch(make_batch, copy.deepcopy(tok), prompts, ctx, without_pad)
     for bad, why in (([], "an empty list of prompts"), (["", GRADER_TEXTS[1]], "an empty prompt")):
         expect_value_error(NAME_BATCH, f"{why} (an all-pad row has no token to read the next one "
                                        "from)",
                            make_batch, copy.deepcopy(tok0), bad)
     passed(NAME_BATCH, f"{len(cases)} batches left-padded correctly (mask, position ids, pad id, "
-                       "also with no pad token) and empty input rejected")
+                       "also with no pad token, pad and eos ids other than 0) and empty input "
+                       "rejected")
 
 
 # ----------------------------------------------------------------------------------- batched_generate
 
 def _result_rows(out, B: int, n: int) -> list[list[int]]:
-    """The contract's return type: a list (or tuple) with one list of ``n`` ints per prompt."""
-    if isinstance(out, torch.Tensor) or not isinstance(out, (list, tuple)):
-        raise fail(NAME_GEN, f"return a list with one list of new token ids per prompt, got "
-                             f"{type(out).__name__} (use .tolist() on a tensor)")
-    if any(isinstance(r, torch.Tensor) or not isinstance(r, (list, tuple)) for r in out):
-        raise fail(NAME_GEN, "each prompt's result must be a list of ints, got "
-                             f"{type(next(iter(out), None)).__name__}")
+    """The contract's return value: one sequence of ``n`` new token ids per prompt: a list (or
+    tuple) of lists, tuples or 1-D integer tensors, or a ``[B, n]`` integer tensor."""
+    if isinstance(out, torch.Tensor) and not out.is_floating_point() and out.dim() == 2:
+        out = list(out.cpu())
+    if not isinstance(out, (list, tuple)):
+        raise fail(NAME_GEN, f"return one list of new token ids per prompt (a list of lists, or "
+                             f"a [batch, max_new_tokens] LongTensor), got {type(out).__name__}"
+                             + (f" of shape {list(out.shape)}" if isinstance(out, torch.Tensor)
+                                else ""))
+    for r in out:
+        ok = isinstance(r, (list, tuple)) or (isinstance(r, torch.Tensor) and r.dim() == 1
+                                              and not r.is_floating_point())
+        if not ok:
+            raise fail(NAME_GEN, "each prompt's result must be a list of ints (or a 1-D integer "
+                                 f"tensor), got {type(r).__name__}")
     if len(out) != B:
         raise fail(NAME_GEN, f"{B} prompts but {len(out)} results: return one list per prompt, in "
                              "the prompts' order")
-    return [[int(t) for t in r] for r in out]
+    try:
+        return [[operator.index(t) for t in r] for r in out]
+    except TypeError as e:
+        raise fail(NAME_GEN, f"every token id must be an integer: {e}") from None
 
 
 def _prefill_order(first, rows) -> list[int]:
@@ -246,10 +268,11 @@ _DECODE = [
 ]
 
 
-def _check_calls(calls, rows, n) -> list[int]:
+def _check_calls(calls, rows, n, what="") -> list[int]:
     """Name the structural mistake, if any, from the recorded calls; return the prefill's order."""
     if not calls:
-        raise fail(NAME_GEN, "your function never called the model it was given")
+        raise fail(NAME_GEN, f"{what}: your function never called the model it was given (a "
+                             "result remembered from an earlier call?)")
     first = calls[0]
     if first.ids is None:
         raise fail(NAME_GEN, "pass the token ids as input_ids (not inputs_embeds)")
@@ -308,7 +331,8 @@ def _gen_cases(model, tok):
              ("a 1-token prompt", [g[4], g[3]], 5, None),
              ("a single prompt", [g[0]], 4, None),
              ("max_new_tokens=0", _MIXED[:2], 0, None),
-             ("the pad / end-of-text token inside a prompt", [_WITH_PAD, g[1]], 4, None)]
+             ("the pad / end-of-text token inside a prompt", [_WITH_PAD, g[1]], 4, None),
+             ("two other prompts, the same budget", [g[5], g[3]], 4, None)]
     ids = torch.tensor([tok(GRADER_TEXTS[3]).input_ids])
     early = int(reference_greedy(model, ids, 2)[0, -1])     # row 0's 2nd new token ends its text
     cases.append(("one row reaches end-of-text early", [GRADER_TEXTS[3], GRADER_TEXTS[0]], 6, early))
@@ -344,7 +368,7 @@ def check_batched_generate(batched_generate) -> None:
             raise fail(NAME_GEN, f"{what}: a row stopped at the end-of-text id {eos}; the "
                                  f"contract is exactly max_new_tokens={n} new tokens per row")
         if n:
-            _check_calls(guard.calls, rows, n)
+            _check_calls(guard.calls, rows, n, what)
         want = [alone(tuple(r), n) for r in rows]
         _compare_rows(got, want, rows, n)
     with guard.case() as mine:

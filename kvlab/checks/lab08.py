@@ -6,59 +6,65 @@
   after each query's position hidden, against float64 arithmetic with stale keys in those slots;
 * ``check_no_recompile(StaticKVCache, static_attention)``: both pieces in the hand-built GPT-2's
   decode step (:class:`kvlab.static.StaticDecoder`), compiled; 50 decode steps must give
-  transformers' greedy tokens, and torch's own counters must show one graph, no graph break.
+  transformers' greedy tokens, and torch's own counters must show one graph, no graph break;
+* ``check_static_generate(static_generate)``: the learner's decode loop (the prompt eagerly, then
+  every token through a compiled step at a position held in a tensor), token for token, one graph;
+* ``check_hidden_nan(static_attention, nan_in_keys, nan_in_values)``: the learner's prediction of
+  what a NaN left in a hidden slot does to the output, against what their attention really does.
 
 Each check also watches for reads of a tensor's value back into Python (``int(pos)``,
-``pos.item()``, slicing with ``pos``): eager code does not mind, ``torch.compile`` does (a graph
-break, then a new graph or guard for every new value). A dispatch mode sees them as the aten op
-``_local_scalar_dense``.
+``pos.item()``, slicing with ``pos``, ``.tolist()``, ``.numpy()``, iterating over a tensor): eager
+code does not mind, ``torch.compile`` does (a graph break, then a new graph or guard for every new
+value); for the caller's ``pos`` changed in place; and for tensors made on the wrong device (on
+``meta``: no GPU needed).
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
+import functools
 import logging
 import math
 from types import SimpleNamespace
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..generate import hf_greedy
-from ._common import fail, fresh_prompts, grading_model, passed
+from ._common import (ValueReads, call_unmodified, confirmed, fail, first_difference, fresh_prompts,
+                      grading_model, held_tensors, learner_call, misplaced, passed)
 
 NAME_CACHE = "check_static_cache"
 NAME_ATTENTION = "check_static_attention"
 NAME_COMPILE = "check_no_recompile"
+NAME_LOOP = "check_static_generate"
+NAME_NAN = "check_hidden_nan"
 
-_READS_POS = ("reads the position back into Python (int(pos), pos.item(), float(pos) or slicing with it, "
-              "buffer[..., pos:pos + T]). Eagerly that works; under torch.compile it is a graph break, and "
-              "the number becomes a constant of the next graph, so every step compiles a new one. Keep "
+_READS_POS = ("reads the position back into Python (seen: {how}; int(pos), pos.item(), pos.tolist(), slicing "
+              "buffer[..., pos:pos + T] all do). Eagerly that works; under torch.compile it is a graph break, "
+              "or the number becomes a constant of the graph, so every new position compiles a new one. Keep "
               "pos a tensor: slots = pos + torch.arange(T), then index_copy_(2, slots, k) or "
               "buffer[:, :, slots] = k")
 
 
-class ScalarReads(TorchDispatchMode):
-    """Counts the reads of a tensor's value into a Python number (aten ``_local_scalar_dense``)."""
-
-    def __init__(self):
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is torch.ops.aten._local_scalar_dense.default:
-            self.count += 1
-        return func(*args, **(kwargs or {}))
+def _reads(how: str, attention: bool = False) -> str:
+    text = _READS_POS.format(how=how)
+    if attention:
+        return text.split(". Keep")[0] + (". Build the mask from tensors: torch.arange(max_len) > pos + "
+                                          "torch.arange(T)[:, None]")
+    return text
 
 
 def _call(check, what, fn, *args):
-    """``fn(*args)`` under :class:`ScalarReads`; the learner's exception becomes a pointed failure."""
-    reads = ScalarReads()
-    try:
+    """``fn(*args)`` watched for values read back into Python and for arguments changed in place (the
+    caller's ``pos`` too); returns ``(result, reads)``, ``reads`` naming each way a value was read."""
+    reads = ValueReads()
+
+    @functools.wraps(fn)
+    def watched(*a):
         with reads:
-            return fn(*args), reads.count
-    except Exception as e:  # noqa: BLE001 - the learner's error, named
-        raise fail(check, f"{what} raised {type(e).__name__}: {e}") from e
+            return fn(*a)
+    return call_unmodified(check, what, watched, *args), reads.named()
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -80,7 +86,8 @@ def _bad_rows(o):
 
 
 def _pair(got):
-    return isinstance(got, tuple) and len(got) == 2 and all(isinstance(t, torch.Tensor) for t in got)
+    """(keys, values) as a tuple or a list, as the model's cache adapter unpacks either."""
+    return isinstance(got, (tuple, list)) and len(got) == 2 and all(isinstance(t, torch.Tensor) for t in got)
 
 
 def _unwritten_dirty(o):
@@ -96,7 +103,7 @@ def _at0(o):
 
 # (name, mistake present?, message). Checked in order on every update; the first hit fails.
 _CACHE_MISTAKES = [
-    ("not a pair", lambda o: not _pair(o.got), "update must return a tuple (keys, values) of tensors"),
+    ("not a pair", lambda o: not _pair(o.got), "update must return (keys, values), a tuple of two tensors"),
     ("sliced", lambda o: o.keys.dim() == 4 and o.keys.shape[2] == o.pos + o.T < o.max_len,
      "update returned positions 0 .. pos+T-1 only, a slice to the current length: its shape then "
      "changes at every step, and a compiled step recompiles for every new shape. Return the WHOLE "
@@ -104,7 +111,7 @@ _CACHE_MISTAKES = [
     ("only new", lambda o: o.keys.dim() == 4 and o.keys.shape[2] == o.T < o.max_len,
      "update returned only the T new positions; return the whole buffers "
      "[batch, heads, max_len, head_dim]"),
-    ("reads pos", lambda o: o.reads > 0, f"update {_READS_POS}"),
+    ("reads pos", lambda o: bool(o.reads), "update {reads}"),
     ("shape", lambda o: list(o.keys.shape) != o.full or o.values.shape != o.keys.shape,
      "update must return the full buffers, each [batch, heads, max_len, head_dim] = {full}; got "
      "{kshape} and {vshape}"),
@@ -115,8 +122,13 @@ _CACHE_MISTAKES = [
      "update returned a different tensor than at the previous step: allocate each buffer ONCE in "
      "__init__ and write into it in place (a compiled step, and a CUDA graph even more, holds the "
      "buffers it was built with)"),
-    ("swapped", lambda o: torch.equal(o.keys, o.want_v) and not torch.equal(o.keys, o.want_k),
-     "update returned the values where the keys belong (keys and values swapped)"),
+    ("one buffer", lambda o: torch.equal(o.keys, o.values) and not torch.equal(o.want_k, o.want_v),
+     "update returned the same contents for the keys and the values: they share one buffer (or one "
+     "is written over the other). Keys and values need a buffer each"),
+    ("swapped", lambda o: torch.equal(o.keys, o.want_v) and torch.equal(o.values, o.want_k)
+     and not torch.equal(o.keys, o.want_k),
+     "update returned the values where the keys belong and the keys where the values belong "
+     "(swapped)"),
     ("row 0 everywhere", lambda o: o.B > 1 and not torch.equal(o.want_k[1], o.want_k[0])
      and all(torch.equal(o.keys[b], o.want_k[0]) for b in range(o.B)),
      "every batch row holds row 0's keys: write k as a whole ([batch, heads, T, head_dim]), not k[0]"),
@@ -136,8 +148,9 @@ _CACHE_MISTAKES = [
      "the new keys were written at slot {found}, not at pos={pos}: write slots pos .. pos+T-1"),
     ("not empty", _unwritten_dirty,
      "slots never written hold something other than zeros: a new cache (and one after reset()) must "
-     "be empty, all zeros (torch.zeros, not torch.empty; and .zero_() in reset). Masked slots get "
-     "weight 0, but 0 * NaN is NaN, so garbage there can still poison the output"),
+     "be empty, all zeros (torch.zeros, not torch.empty; and .zero_() in reset). The mask gives those "
+     "slots weight 0, but they still enter weights @ v, and 0 * NaN is NaN: garbage there (a NaN or "
+     "inf) poisons every output"),
     ("past changed", lambda o: not torch.equal(o.keys[:, :, o.kept], o.want_k[:, :, o.kept]),
      "the new keys are right but earlier slots changed: something overwrote the past (layers sharing one "
      "buffer, or writing more than T slots)"),
@@ -147,11 +160,13 @@ _CACHE_MISTAKES = [
 ]
 
 
-def _make_cache(StaticKVCache, L, B, H, D, max_len, dtype):
+def _make_cache(StaticKVCache, L, B, H, D, max_len, dtype, device="cpu"):
     try:
-        return StaticKVCache(L, B, H, D, max_len, dtype, "cpu")
+        return StaticKVCache(L, B, H, D, max_len, dtype, device)
+    except NotImplementedError:                     # a stub not filled in yet: its own message
+        raise
     except Exception as e:  # noqa: BLE001
-        raise fail(NAME_CACHE, f"StaticKVCache({L}, {B}, {H}, {D}, {max_len}, {dtype}, 'cpu') raised "
+        raise fail(NAME_CACHE, f"StaticKVCache({L}, {B}, {H}, {D}, {max_len}, {dtype}, {device!r}) raised "
                                f"{type(e).__name__}: {e}. The constructor takes (n_layer, batch_size, n_head, "
                                "head_dim, max_len, dtype, device), positionally") from e
 
@@ -179,7 +194,7 @@ def _grade_update(cache, state, layer, k, v, pos, where, rewind=False):
             bad = ", ".join(f"row {b}'s are at slot {at[0]}" for b, at in _bad_rows(o)) if same else ""
             raise fail(NAME_CACHE, f"{where}: " + message.format(
                 full=o.full, kshape=list(keys.shape), vshape=list(values.shape), dtype=o.dtype,
-                kdtype=keys.dtype, pos=pos, found=found, bad_rows=bad))
+                kdtype=keys.dtype, pos=pos, found=found, bad_rows=bad, reads=_reads(reads)))
     state.ptr[layer] = keys.data_ptr()
 
 
@@ -201,6 +216,40 @@ def _fresh_state(L, B, H, D, max_len):
                            written=[torch.zeros(max_len, dtype=torch.bool) for _ in range(L)])
 
 
+def _check_small_cases(StaticKVCache) -> None:
+    """float32 at the last slot; two caches alive at once; a cache made on the meta device."""
+    c1 = _make_cache(StaticKVCache, 1, 1, 1, 8, 4, torch.float32)
+    one = torch.ones(1, 1, 1, 8)
+    keys, _ = _call(NAME_CACHE, "update on a float32 cache", c1.update, 0, one, one.clone(),
+                    torch.tensor(3))[0]
+    if keys.dtype != torch.float32 or not torch.equal(keys[0, 0, :, 0], torch.tensor([0.0, 0, 0, 1])):
+        raise fail(NAME_CACHE, "a float32 cache of max_len=4, one token written at pos=3: expected a float32 "
+                               f"buffer [0, 0, 0, 1] along the slots, got {keys.dtype} {keys[0, 0, :, 0].tolist()}")
+    c2 = _make_cache(StaticKVCache, 1, 1, 1, 8, 4, torch.float32)
+    _call(NAME_CACHE, "update on a second cache", c2.update, 0, one * 2, one * 2, torch.tensor(3))
+    if not torch.equal(keys[0, 0, :, 0], torch.tensor([0.0, 0, 0, 1])):
+        raise fail(NAME_CACHE, "two caches alive at once: writing into the second changed the first one's "
+                               "buffers. Every cache needs buffers of its own (made in __init__, kept on "
+                               "self; not on the class or in a global)")
+    meta = _make_cache(StaticKVCache, 2, 1, 2, 4, 8, torch.float16, "meta")
+    bad = misplaced(list(held_tensors(meta)), "meta", torch.float16)
+    if bad:
+        raise fail(NAME_CACHE, f"a cache made with device='meta', dtype=float16 holds {', '.join(bad[:4])}. "
+                               "Allocate the buffers with the device and dtype given")
+    k = torch.empty(1, 2, 3, 4, dtype=torch.float16, device="meta")
+    try:
+        got = meta.update(0, k, k.clone(), torch.tensor(2, device="meta"))
+    except Exception as e:  # noqa: BLE001 - the learner's error, named
+        raise fail(NAME_CACHE, f"update on a cache made with device='meta' (shapes only) raised "
+                               f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}. On a GPU "
+                               "the same happens: make every tensor on the cache's device "
+                               "(torch.arange(T, device=k.device))") from e
+    bad = misplaced(list(held_tensors(meta)) + [("the returned keys", got[0])], "meta", torch.float16)
+    if bad:
+        raise fail(NAME_CACHE, f"a cache made with device='meta', dtype=float16: {', '.join(bad[:4])}. "
+                               "Allocate the buffers with the device and dtype given")
+
+
 def check_static_cache(StaticKVCache) -> None:
     """Grade ``StaticKVCache(n_layer, batch_size, n_head, head_dim, max_len, dtype, device)`` with
     ``update(layer, k, v, pos) -> (keys, values)`` (the full buffers) and ``reset()``."""
@@ -212,6 +261,7 @@ def check_static_cache(StaticKVCache) -> None:
     state = _fresh_state(L, B, H, D, max_len)
     _run_passes(cache, state, passes, gen, "a new cache")
     ptrs = list(state.ptr)
+    held = {n: t.data_ptr() for n, t in held_tensors(cache)}
     _call(NAME_CACHE, "reset()", cache.reset)
     state = _fresh_state(L, B, H, D, max_len)
     state.ptr = ptrs                                 # reset() must keep the very same buffers
@@ -220,20 +270,23 @@ def check_static_cache(StaticKVCache) -> None:
     except AssertionError as e:
         if "zeros" in str(e) or "earlier slots" in str(e) or "do not hold" in str(e):
             raise fail(NAME_CACHE, "after reset(), the buffers still hold the previous prompt's keys and "
-                                   "values: reset() must empty the cache IN PLACE (buffer.zero_()), so nothing "
-                                   "of an old prompt stays visible; not reallocate it") from e
+                                   "values. The mask hides those slots, but they still enter weights @ v "
+                                   "with weight 0, and 0 * NaN = NaN: one NaN or inf left by an earlier "
+                                   "prompt turns every later output into NaN (exercise 4 shows it). "
+                                   "reset() must zero the buffers in place: buffer.zero_()") from e
         if "different tensor" in str(e):
-            raise fail(NAME_CACHE, "reset() allocated new buffers: a compiled decode step (and a CUDA graph) "
-                                   "keeps using the old ones. Empty them in place: buffer.zero_()") from e
+            moved = [n for n, t in held_tensors(cache) if held.get(n) not in (None, t.data_ptr())]
+            why = (f"reset() allocated new buffers ({', '.join(moved[:3])} moved)" if moved else
+                   "after reset(), update returns a new tensor, not the buffers it returned before "
+                   "(a copy?)")
+            raise fail(NAME_CACHE, f"{why}: a compiled decode step (and a CUDA graph) keeps using the "
+                                   "tensors it was built with. Keep the buffers; empty them in place: "
+                                   "buffer.zero_()") from e
         raise
-    c1 = _make_cache(StaticKVCache, 1, 1, 1, 8, 4, torch.float32)
-    keys, _ = _call(NAME_CACHE, "update on a float32 cache", c1.update, 0, torch.ones(1, 1, 1, 8),
-                    torch.ones(1, 1, 1, 8), torch.tensor(3))[0]
-    if keys.dtype != torch.float32 or not torch.equal(keys[0, 0, :, 0], torch.tensor([0.0, 0, 0, 1])):
-        raise fail(NAME_CACHE, "a float32 cache of max_len=4, one token written at pos=3: expected a float32 "
-                               f"buffer [0, 0, 0, 1] along the slots, got {keys.dtype} {keys[0, 0, :, 0].tolist()}")
+    _check_small_cases(StaticKVCache)
     passed(NAME_CACHE, f"batch {B}, {L} layers: fixed-shape buffers written in place at a tensor position "
-                       "(rewinds included), never read back into Python; reset() empties them in place")
+                       "(rewinds included), never read back into Python, pos left unchanged; reset() empties "
+                       "them in place; two caches apart; fp16 on device='meta' stays there")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -301,48 +354,93 @@ def _attention_inputs(B, H, T, pos, S, D, fill, gen):
     return q, k, v
 
 
-def _grade_attention_case(static_attention, case, gen):
-    B, H, T, pos, S, D, fill = case
-    q, k, v = _attention_inputs(B, H, T, pos, S, D, fill, gen)
-    saved = [t.clone() for t in (q, k, v)]
-    where = f"q [{B}, {H}, {T}, {D}], k/v [{B}, {H}, max_len={S}, {D}], pos={pos}"
+def _attention_output(static_attention, q, k, v, pos, where):
+    """The learner's output for one input, after the checks of its form (no value read back, no
+    argument changed, shape, dtype, device)."""
+    B, H, T, D = q.shape
     out, reads = _call(NAME_ATTENTION, f"{where}: static_attention", static_attention, q, k, v,
                        torch.tensor(pos))
     if reads:
-        raise fail(NAME_ATTENTION, f"{where}: static_attention {_READS_POS.split('. Keep')[0]}. Build the mask "
-                                   "from tensors: (torch.arange(max_len) > pos + torch.arange(T)[:, None])")
-    if not all(torch.equal(a, b) for a, b in zip((q, k, v), saved)):
-        raise fail(NAME_ATTENTION, f"{where}: static_attention modified its inputs in place")
+        raise fail(NAME_ATTENTION, f"{where}: static_attention {_reads(reads, attention=True)}")
     if not isinstance(out, torch.Tensor) or list(out.shape) != [B, H, T, D]:
         shape = list(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
         raise fail(NAME_ATTENTION, f"{where}: expected an output [B, H, T, D] = {[B, H, T, D]}, got {shape}")
     if out.dtype != q.dtype:
         raise fail(NAME_ATTENTION, f"{where}: output dtype {out.dtype}, expected the inputs' {q.dtype}")
-    got = out.double()
-    if torch.isnan(got).any():
+    if torch.isnan(out).any():
         raise fail(NAME_ATTENTION, f"{where}: the output has NaN: a query with every slot hidden? Query i "
                                    "must see slots 0 .. pos + i, its own included")
-    if (got - reference_static_attention(q, k, v, pos)).abs().max().item() <= 1e-5:
+    return out.double()
+
+
+def _where_wrong(got, want, pos) -> str:
+    err = (got - want).abs()
+    b, h, i, d = (int(x) for x in torch.unravel_index(err.argmax(), err.shape))
+    queries = sorted({int(x) for x in (err.amax((0, 1, 3)) > 1e-5).nonzero()})
+    return (f"the largest error, {float(err.max()):.2e}, is at batch row {b}, head {h}, query {i} (position "
+            f"pos + {i} = {pos + i}), channel {d}; wrong queries: {queries}")
+
+
+def _grade_attention_case(static_attention, case, gen, twice=False):
+    """One case (``twice``: then again with other values, so a remembered answer shows). A mistake is
+    named only when it explains this input AND a second one of the same case."""
+    B, H, T, pos, S, D, fill = case
+    where = f"q [{B}, {H}, {T}, {D}], k/v [{B}, {H}, max_len={S}, {D}], pos={pos}"
+    q, k, v = _attention_inputs(B, H, T, pos, S, D, fill, gen)
+    got = _attention_output(static_attention, q, k, v, pos, where)
+    want = reference_static_attention(q, k, v, pos)
+    if (got - want).abs().max().item() <= 1e-5:
+        if twice:
+            _grade_attention_case(static_attention, case, gen)
         return
-    if B > 1 and torch.allclose(got[0], reference_static_attention(q, k, v, pos)[0], atol=1e-5):
-        raise fail(NAME_ATTENTION, f"{where}: batch row 0 is right, the others are not: keep the batch "
-                                   "dimension in every operation")
-    for kwargs, message in _ATTENTION_MISTAKES:
-        if torch.allclose(got, reference_static_attention(q, k, v, pos, **kwargs), atol=1e-5):
-            raise fail(NAME_ATTENTION, f"{where}: {message}")
-    err = (got - reference_static_attention(q, k, v, pos)).abs().max().item()
-    raise fail(NAME_ATTENTION, f"{where}: max abs error {err:.2e} against float64 attention (tolerance 1e-5); "
-                               "expected softmax(q @ k^T / sqrt(D), slots j > pos + i hidden) @ v")
+    q2, k2, v2 = _attention_inputs(B, H, T, pos, S, D, fill, gen)
+    got2 = _attention_output(static_attention, q2, k2, v2, pos, where + ", other values")
+    if torch.equal(got, got2):
+        raise fail(NAME_ATTENTION, f"{where}: two calls with the same shapes and different values returned "
+                                   "the same output: your attention hands back a remembered result. Compute "
+                                   "it from q, k, v at every call")
+    probes = [(got, q, k, v), (got2, q2, k2, v2)]
+    row0 = (lambda p: B > 1 and torch.allclose(p[0][0], reference_static_attention(*p[1:], pos)[0],
+                                               atol=1e-5))
+    hypotheses = [(row0, "batch row 0 is right, the others are not: keep the batch dimension in every "
+                         "operation")]
+    hypotheses += [((lambda p, kw=kw: torch.allclose(p[0], reference_static_attention(*p[1:], pos, **kw),
+                                                     atol=1e-5)), message)
+                   for kw, message in _ATTENTION_MISTAKES]
+    named = confirmed(hypotheses, probes)
+    if named is not None:
+        raise fail(NAME_ATTENTION, f"{where}: {named}")
+    raise fail(NAME_ATTENTION, f"{where}: your output differs from float64 attention (tolerance 1e-5): "
+                               f"{_where_wrong(got, want, pos)}. Expected softmax(q @ k^T / sqrt(D), slots "
+                               "j > pos + i hidden) @ v")
+
+
+def _attention_on_meta(static_attention) -> None:
+    """Inputs on the meta device (shapes only): every tensor the attention makes must follow q's
+    device, or the same code fails on a GPU."""
+    q = torch.empty(2, 2, 1, 8, device="meta")
+    k = torch.empty(2, 2, 6, 8, device="meta")
+    where = "q [2, 2, 1, 8], k/v [2, 2, max_len=6, 8] on device='meta' (shapes only), pos=3"
+    try:
+        out = static_attention(q, k, k.clone(), torch.tensor(3, device="meta"))
+    except Exception as e:  # noqa: BLE001 - the learner's error, named
+        raise fail(NAME_ATTENTION, f"{where}: your attention raised {type(e).__name__}: "
+                                   f"{str(e).splitlines()[0] if str(e) else ''}. On a GPU the same happens: "
+                                   "make every tensor on q's device (torch.arange(S, device=q.device))") from e
+    if not isinstance(out, torch.Tensor) or out.device.type != "meta" or list(out.shape) != [2, 2, 1, 8]:
+        raise fail(NAME_ATTENTION, f"{where}: expected a [2, 2, 1, 8] output on meta, got "
+                                   f"{getattr(out, 'shape', type(out).__name__)} on {getattr(out, 'device', '?')}")
 
 
 def check_static_attention(static_attention) -> None:
     """Grade ``static_attention(q, k, v, pos)`` (``k``/``v`` the full buffers, ``pos`` a 0-d tensor)."""
     gen = torch.Generator().manual_seed(8108)
-    for case in _ATTENTION_CASES:
-        _grade_attention_case(static_attention, case, gen)
+    for n, case in enumerate(_ATTENTION_CASES):
+        _grade_attention_case(static_attention, case, gen, twice=n == 0)
+    _attention_on_meta(static_attention)
     passed(NAME_ATTENTION, f"{len(_ATTENTION_CASES)} cases (prefill, decode, chunks, the last slot; stale, zero "
-                           "and loud keys beyond the position) match float64 attention within 1e-5, no position "
-                           "read back into Python")
+                           "and loud keys beyond the position; the first twice) match float64 attention within "
+                           "1e-5, no position read back into Python, inputs unchanged, meta in, meta out")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -371,10 +469,10 @@ def _probe(StaticKVCache, static_attention, model):
         return ("Your StaticKVCache.update returns a slice to the current length, whose shape changes every "
                 "step: return the whole buffers (max_len slots) and let the mask hide the unwritten ones")
     if reads:
-        return f"Your StaticKVCache.update {_READS_POS}"
+        return f"Your StaticKVCache.update {_reads(reads)}"
     _, reads = _call(NAME_COMPILE, "static_attention", static_attention, k, keys, keys, torch.tensor(3))
     if reads:
-        return f"Your static_attention {_READS_POS.split('. Keep')[0]}"
+        return f"Your static_attention {_reads(reads, attention=True)}"
     return None
 
 
@@ -384,6 +482,8 @@ def _compiled_run(decoder, ids, n):
     before = dict(counters["graph_break"])
     try:
         out = decoder.generate(ids, n)
+    except NotImplementedError:                     # a stub not filled in yet
+        raise
     except Exception as e:  # noqa: BLE001
         raise fail(NAME_COMPILE, f"the compiled decode loop with your pieces raised {type(e).__name__}: "
                                  f"{str(e)[:600]}") from e
@@ -426,6 +526,8 @@ def check_no_recompile(StaticKVCache, static_attention, steps: int = 50) -> None
     try:
         dec = StaticDecoder(model, batch_size=2, max_len=8 + steps, cache_cls=StaticKVCache,
                             attention_fn=static_attention).compile(backend=counter, fullgraph=False)
+    except NotImplementedError:                     # a stub not filled in yet
+        raise
     except Exception as e:  # noqa: BLE001
         raise fail(NAME_COMPILE, f"building the decoder with your StaticKVCache raised "
                                  f"{type(e).__name__}: {e}") from e
@@ -442,3 +544,204 @@ def check_no_recompile(StaticKVCache, static_attention, steps: int = 50) -> None
                                      "Run check_static_cache and check_static_attention first")
     passed(NAME_COMPILE, f"GPT2 with your pieces, compiled: {steps} decode steps then a second prompt, "
                          "transformers' greedy tokens, 1 graph compiled, 0 graph breaks (torch's counters)")
+
+
+# ---------------------------------------------------------------------------------------------------
+# the static decode loop
+
+
+class _Step:
+    """The compiled decode step handed to the learner, ``step(ids [B, 1], pos) -> next ids [B]``, with
+    a look at every call before it runs (so a wrong loop is named before it costs a compilation)."""
+
+    def __init__(self, model, cache, counter):
+        def decode_step(ids, pos):
+            positions = pos + torch.zeros_like(ids)                # [B, 1]: every row at pos
+            return model(ids, cache, positions=positions, last_only=True)[:, -1].argmax(dim=-1)
+
+        self.compiled = torch.compile(decode_step, backend=counter, dynamic=False)
+        self.cache, self.calls, self.case, self.layout = cache, 0, None, None
+
+    def __call__(self, ids, pos):
+        self.calls += 1
+        k, (where, B, T, n) = self.calls, self.case
+        if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.shape[0] != B or ids.shape[1] != 1:
+            got = list(ids.shape) if isinstance(ids, torch.Tensor) else type(ids).__name__
+            if isinstance(ids, torch.Tensor) and ids.dim() == 2 and ids.shape[1] == T and k == 1:
+                raise fail(NAME_LOOP, f"{where}: you ran the prompt through the compiled step. Its length "
+                                      "changes from prompt to prompt, and every new length is a new graph: "
+                                      "prefill eagerly, model(input_ids, cache, last_only=True), and hand "
+                                      "the step one token per row")
+            raise fail(NAME_LOOP, f"{where}: step call #{k} got ids {got}; it takes the newest token of "
+                                  f"every row, a LongTensor [{B}, 1]")
+        if not isinstance(pos, torch.Tensor):
+            raise fail(NAME_LOOP, f"{where}: step call #{k} got pos={pos!r}, a Python {type(pos).__name__}. "
+                                  "torch.compile makes a Python number a constant of the graph, so every "
+                                  "new position would compile a new one: keep pos a 0-d torch.long tensor, "
+                                  "pos = torch.tensor(T), and advance it as a tensor (pos + 1)")
+        if self.layout is not None and ids.stride() != self.layout:
+            raise fail(NAME_LOOP, f"{where}: step call #{k} got ids with strides {ids.stride()}, an earlier "
+                                  f"call {self.layout} (a view into your output tensor, whose width changes "
+                                  "with the prompt?). torch.compile specialises on strides as on shapes, so a "
+                                  "new layout is a new graph: hand the step the same layout every time, e.g. "
+                                  "next_ids[:, None], or a [B, 1] buffer you copy_ into")
+        self.layout = ids.stride()
+        if pos.dim() != 0 or pos.dtype != torch.long:
+            raise fail(NAME_LOOP, f"{where}: step call #{k} got pos of shape {list(pos.shape)} and dtype "
+                                  f"{pos.dtype}; the contract is a 0-d torch.long tensor")
+        held = self.cache.seq_len
+        if int(pos) != held:          # the grader reads it, outside the compiled step
+            raise fail(NAME_LOOP, f"{where}: step call #{k} got pos={int(pos)}, but the cache holds {held} "
+                                  f"tokens, so the new token sits at position {held}: the prompt fills "
+                                  f"0 .. {T - 1}, the first step is at {T}, then one more per step")
+        if k >= n:
+            raise fail(NAME_LOOP, f"{where}: step called {k} times for max_new_tokens={n}: the prefill's "
+                                  "logits give the first new token and each step one more, so n - 1 steps; "
+                                  "the last token needs no step (what it would predict is never used)")
+        return self.compiled(ids, pos)
+
+
+def _watch_prefill(model, cache, step):
+    """The learner's model: the same modules, its calls (eager: the prefill) looked at first."""
+    mine, calls = copy.copy(model), []
+
+    def forward(input_ids, cache_arg=None, *args, **kwargs):
+        calls.append(1)
+        where, B, T, n = step.case
+        if len(calls) > 1:
+            raise fail(NAME_LOOP, f"{where}: model(...) called a second time for this prompt: after the "
+                                  "prefill every token goes through step(ids, pos), the compiled decode step "
+                                  "(an eager forward per token is what the compiled step replaces)")
+        if cache.seq_len:
+            raise fail(NAME_LOOP, f"{where}: the prefill found the cache holding {cache.seq_len} tokens of "
+                                  "the previous prompt: call cache.reset() first (it keeps the buffers the "
+                                  "compiled step was built with)")
+        if cache_arg is not cache and kwargs.get("cache") is not cache:
+            raise fail(NAME_LOOP, f"{where}: run the prefill with the cache you were given, model(input_ids, "
+                                  "cache, last_only=True): the compiled step reads the same cache")
+        shape = getattr(input_ids, "shape", None)
+        if shape is None or tuple(shape) != (B, T):
+            raise fail(NAME_LOOP, f"{where}: the prefill fed {list(shape) if shape else input_ids!r}; it runs "
+                                  f"the whole prompt, [{B}, {T}], in one forward")
+        return model(input_ids, cache_arg, *args, **kwargs)
+
+    mine.forward = forward
+    return mine, calls
+
+
+def _loop_cases(tok):
+    texts = fresh_prompts(tok)
+    batch = lambda rows, T: torch.stack([texts[i][0, :T] for i in rows])   # noqa: E731
+    return [("2 prompts of 7 tokens, 9 new", batch((0, 2), 7), 9),
+            ("2 other prompts, of 4 tokens, 5 new (the same cache and step)", batch((4, 5), 4), 5),
+            ("max_new_tokens=1 (no step needed)", batch((1, 3), 1), 1),
+            ("max_new_tokens=0", batch((0, 5), 5), 0)]
+
+
+def check_static_generate(static_generate) -> None:
+    """Grade ``static_generate(model, cache, step, input_ids, max_new_tokens) -> [B, T + n]``: reset
+    the cache, the prompt eagerly through ``model(input_ids, cache, last_only=True)``, then every
+    further token through ``step(ids [B, 1], pos)``, the compiled decode step, ``pos`` a 0-d tensor.
+    Tokens must equal transformers' greedy ones; torch's counters must show one graph for everything
+    (two prompts of different lengths), no graph break. Calls ``torch._dynamo.reset()`` first."""
+    from torch._dynamo.testing import CompileCounter
+    from torch._dynamo.utils import counters
+
+    from ..gpt2 import GPT2
+    from ..static import StaticCache
+
+    hf, tok = grading_model()
+    model = GPT2.from_hf(hf)
+    cfg = model.config
+    cache = StaticCache(cfg.n_layer, 2, cfg.n_head, cfg.head_dim, 16, torch.float32, "cpu")
+    torch._dynamo.reset()
+    counter = CompileCounter()
+    step = _Step(model, cache, counter)
+    mine, calls = _watch_prefill(model, cache, step)
+    before = dict(counters["graph_break"])
+    for where, ids, n in _loop_cases(tok):
+        B, T = ids.shape
+        step.calls, step.case = 0, (where, B, T, n)
+        calls.clear()
+        want = torch.cat([hf_greedy(hf, row[None], n) for row in ids])
+        with _quiet_dynamo(), torch._dynamo.config.patch(recompile_limit=3):
+            out = learner_call(NAME_LOOP, f"{where}: static_generate(model, cache, step, <[{B}, {T}]>, {n})",
+                               static_generate, mine, cache, step, ids.clone(), n)
+        if not isinstance(out, torch.Tensor) or out.dtype != torch.long or list(out.shape) != [B, T + n]:
+            got = (f"{out.dtype} {list(out.shape)}" if isinstance(out, torch.Tensor) else type(out).__name__)
+            raise fail(NAME_LOOP, f"{where}: return a LongTensor [B, T + max_new_tokens] = {[B, T + n]} (the "
+                                  f"prompt, then the new tokens), got {got}")
+        if n and not calls:
+            raise fail(NAME_LOOP, f"{where}: no prefill: run the prompt once, eagerly, model(input_ids, cache, "
+                                  "last_only=True); its last logits give the first new token")
+        if n >= 2 and step.calls != n - 1:
+            raise fail(NAME_LOOP, f"{where}: step called {step.calls} times; max_new_tokens={n} takes {n - 1} "
+                                  "(the prefill gives the first new token, each step one more)")
+        breaks = {r: c for r, c in counters["graph_break"].items() if c > before.get(r, 0)}
+        if counter.frame_count > 1 or breaks:
+            raise fail(NAME_LOOP, f"{where}: torch compiled {counter.frame_count} graphs"
+                                  + (f" and counted graph breaks ({'; '.join(breaks)[:200]})" if breaks else "")
+                                  + ": one graph for every step of every prompt was expected. " + _NO_REASON)
+        if not torch.equal(out.cpu(), want):
+            row = int((out.cpu() != want).any(1).nonzero()[0])
+            i = first_difference(out[row].cpu(), want[row])
+            raise fail(NAME_LOOP, f"{where}: row {row}, token {i} (new token #{i - T + 1}) is {int(out[row, i])}, "
+                                  f"transformers' greedy token is {int(want[row, i])}"
+                                  + (": the first new token is the argmax of the prefill's last logits"
+                                     if i == T else ": the next ids are step's return value, fed back as "
+                                     "[B, 1] at the next position"))
+    passed(NAME_LOOP, "two prompts of different lengths (and 1 and 0 new tokens) through your loop: transformers' "
+                      f"greedy tokens, {counter.frame_count} graph compiled for every step, 0 graph breaks "
+                      "(torch's counters), the prompt eager, the position a tensor")
+
+
+# ---------------------------------------------------------------------------------------------------
+# why reset() zeroes the buffers
+
+
+def check_hidden_nan(StaticKVCache, static_attention, nan_in_keys, nan_in_values) -> None:
+    """Grade a prediction: a NaN left in a slot the mask hides (slot 6; the new token at pos=3), in the
+    keys (``nan_in_keys``) or in the values (``nan_in_values``): is the output NaN? Judged against what
+    the learner's own attention does; then the learner's cache, NaN written, reset(), refilled, must give
+    a finite output (that is why reset() zeroes the buffers)."""
+    for name, value in (("nan_in_keys", nan_in_keys), ("nan_in_values", nan_in_values)):
+        if not isinstance(value, bool):
+            raise fail(NAME_NAN, f"{name} must be True (the output has NaN) or False, got {value!r}")
+    gen = torch.Generator().manual_seed(8208)
+    q = torch.randn(1, 2, 1, 8, generator=gen)
+    k, v = torch.randn(1, 2, 8, 8, generator=gen), torch.randn(1, 2, 8, 8, generator=gen)
+    truth = {}
+    for what in ("keys", "values"):
+        kk, vv = k.clone(), v.clone()
+        (kk if what == "keys" else vv)[:, :, 6] = float("nan")
+        out = learner_call(NAME_NAN, f"static_attention with a NaN in slot 6's {what}", static_attention, q, kk,
+                           vv, torch.tensor(3))
+        truth[what] = bool(torch.isnan(out).any())
+    why = {("keys", False): "your attention replaces the hidden slots' scores (masked_fill with -inf or a "
+                            "where): the NaN score is gone before the softmax, its weight is exactly 0",
+           ("keys", True): "the NaN score survives the mask (an additive mask: NaN + (-inf) is NaN; "
+                           "scaled_dot_product_attention adds its mask too), and one NaN score makes the whole "
+                           "softmax row NaN",
+           ("values", True): "the weight of slot 6 is exactly 0, but weights @ v still multiplies it in: "
+                             "0 * NaN = NaN, in every output of that row",
+           ("values", False): "your attention never multiplies the hidden slots' values (you zero or drop them)"}
+    for what, said in (("keys", nan_in_keys), ("values", nan_in_values)):
+        if said != truth[what]:
+            raise fail(NAME_NAN, f"NaN in slot 6's {what}, new token at pos=3 (slot 6 hidden): you predicted "
+                                 f"{'NaN' if said else 'a finite output'}, your attention gives "
+                                 f"{'NaN' if truth[what] else 'a finite output'}: {why[what, truth[what]]}")
+    cache = StaticKVCache(1, 1, 2, 8, 8, torch.float32, "cpu")
+    nan = torch.full((1, 2, 1, 8), float("nan"))
+    learner_call(NAME_NAN, "update of a NaN at slot 6", cache.update, 0, nan, nan.clone(), torch.tensor(6))
+    learner_call(NAME_NAN, "reset()", cache.reset)
+    keys, values = learner_call(NAME_NAN, "update of 4 tokens at pos=0", cache.update, 0, k[:, :, :4].clone(),
+                                v[:, :, :4].clone(), torch.tensor(0))
+    out = learner_call(NAME_NAN, "static_attention after reset()", static_attention, q, keys, values,
+                       torch.tensor(3))
+    if torch.isnan(out).any():
+        raise fail(NAME_NAN, "a NaN written at slot 6 by an earlier prompt, then reset(), then 4 new tokens: your "
+                             "attention's output is NaN. reset() left the NaN in the buffer, hidden but still "
+                             "multiplied by its weight 0: zero the buffers in reset() (buffer.zero_())")
+    passed(NAME_NAN, f"a NaN in a hidden slot: keys -> {'NaN' if truth['keys'] else 'finite'}, values -> "
+                     f"{'NaN' if truth['values'] else 'finite'}, as you predicted; after reset() your cache's zeros "
+                     "keep the output finite")

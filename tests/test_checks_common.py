@@ -1,0 +1,191 @@
+"""What every grader does around its checks (issue 24): the verdict without the grader's source,
+the library's own code refused, inputs that must come back unmodified, values read back into
+Python, and diagnoses confirmed on more than one input."""
+
+import math
+import traceback
+
+import pytest
+import torch
+
+from kvlab.checks import check_attention, check_kv_cache
+from kvlab.checks._common import (GraderFailure, ValueReads, call_unmodified, confirmed,
+                                  held_tensors, library_origin, misplaced)
+
+from conftest import own_copy
+
+
+def no_mask(q, k, v, past_len):
+    return torch.softmax(q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1]), -1) @ v
+
+
+def raises_inside(q, k, v, past_len):
+    return q @ v[0, 0, :3]                                           # a shape error of the learner's
+
+
+def _printed(check, impl) -> str:
+    with pytest.raises(AssertionError) as err:
+        check(impl)
+    return "".join(traceback.format_exception(err.value))
+
+
+def test_a_verdict_shows_no_grader_source():
+    text = _printed(check_attention, no_mask)
+    assert "no causal mask" in text
+    # the table of mistakes, the reference formula, the grader's own functions: none of them
+    for secret in ("_MISTAKES", "reference_attention", "_explain_attention", "lab03.py"):
+        assert secret not in text, secret
+
+
+def test_a_learner_error_keeps_their_frames_only():
+    text = _printed(check_attention, raises_inside)
+    assert "return q @ v[0, 0, :3]" in text                           # their line is shown
+    assert "lab03.py" not in text and "learner_call" not in text
+
+
+def test_a_broken_object_is_a_verdict_not_a_grader_crash():
+    class NoSeqLen:
+        def __init__(self, *args):
+            pass
+
+        def update(self, layer, k, v):
+            return k, v
+
+        def reset(self):
+            pass
+
+    with pytest.raises(GraderFailure) as err:
+        check_kv_cache(NoSeqLen)
+    assert "seq_len" in str(err.value)
+    assert "lab03.py" not in "".join(traceback.format_exception(err.value))
+
+
+def test_library_origin():
+    from kvlab import cache, gpt2
+
+    class Mine:
+        pass
+
+    assert library_origin(gpt2.attention) == "kvlab.gpt2.attention"
+    assert library_origin(cache.PreallocatedCache).endswith("PreallocatedCache")
+    assert library_origin(type("Sub", (cache.PreallocatedCache,), {})) is not None
+    assert library_origin(__import__("functools").partial(gpt2.attention)) is not None
+    assert library_origin(cache.Cache) is None                       # an abstract interface
+    assert library_origin(type("Mine2", (cache.Cache,), {})) is None
+    assert library_origin(Mine) is None and library_origin(no_mask) is None
+    assert library_origin(own_copy(gpt2.attention)) is None
+
+
+def test_call_unmodified_names_the_argument():
+    def bumps_pos(x, pos):
+        pos += 1
+        return x
+
+    with pytest.raises(GraderFailure, match="modified its argument pos"):
+        call_unmodified("check_x", "f(x, pos)", bumps_pos, torch.ones(2), torch.tensor(3))
+    assert call_unmodified("check_x", "f", lambda x, pos: x + pos, torch.ones(2), torch.tensor(3)) \
+        .tolist() == [4.0, 4.0]
+
+
+@pytest.mark.parametrize("read, named", [
+    (lambda p: p.tolist(), ".tolist()"),
+    (lambda p: p.numpy(), ".numpy()"),
+    (lambda p: p.item(), ".item()"),
+    (lambda p: int(p), "int(tensor)"),
+    (lambda p: [s for s in p + torch.arange(2)], "iterating"),
+    (lambda p: torch.zeros(8)[p:p + 2], "slicing"),
+    (lambda p: 1 if p > 2 else 0, "an if on a tensor"),
+])
+def test_value_reads_sees_every_way_back_to_python(read, named):
+    with ValueReads() as reads:
+        read(torch.tensor(3))
+    assert named in reads.named()
+
+
+def test_value_reads_lets_tensor_code_through():
+    pos = torch.tensor(3)
+    with ValueReads() as reads:
+        slots = pos + torch.arange(2)
+        torch.zeros(8).index_copy_(0, slots, torch.ones(2))
+        _ = torch.arange(8) <= slots[:, None]
+    assert reads.count == 0
+    assert torch.Tensor.__iter__ is not None and list(torch.arange(2)) == [0, 1]   # restored
+
+
+def test_confirmed_needs_every_probe():
+    hyps = [(lambda p: p > 0, "positive"), (lambda p: p % 2 == 0, "even")]
+    assert confirmed(hyps, [2, 4]) == "positive"
+    assert confirmed(hyps, [-2, 4]) == "even"
+    assert confirmed(hyps, [-3, 5]) is None
+    with pytest.raises(ValueError):
+        confirmed(hyps, [2])
+
+
+def test_held_tensors_and_misplaced():
+    class C:
+        def __init__(self):
+            self.k = torch.zeros(2)
+            self.layers = [[torch.zeros(1, dtype=torch.float16), torch.zeros(1)]]
+            self.n = 3
+
+    names = [n for n, _ in held_tensors(C())]
+    assert names == ["k", "layers[0][0]", "layers[0][1]"]
+    assert misplaced(held_tensors(C()), "cpu", torch.float32) == ["layers[0][0] in torch.float16"]
+    assert misplaced(held_tensors(C()), "meta") == ["k on cpu", "layers[0][0] on cpu",
+                                                    "layers[0][1] on cpu"]
+
+
+def test_an_unfilled_stub_says_so():
+    """A lab's stub raises NotImplementedError: every check lets it through as it is (no grader
+    message dressed around it, no grader frames)."""
+    from kvlab.checks import check_cache_bytes_prediction, check_static_cache
+
+    class Stub:
+        def __init__(self, *args):
+            raise NotImplementedError("Exercise: write Stub.__init__")
+
+    for check in (check_kv_cache, check_static_cache, lambda c: check_cache_bytes_prediction(c, 1)):
+        with pytest.raises(NotImplementedError, match="Exercise: write Stub.__init__") as err:
+            check(Stub)
+        text = "".join(traceback.format_exception(err.value))
+        assert "lab03.py" not in text and "lab08.py" not in text     # only the (hidden) wrapper
+
+
+from kvlab import gpt2 as _library_gpt2  # noqa: E402
+from kvlab.gpt2 import attention as _library_attention  # noqa: E402
+
+
+def wraps_by_module(q, k, v, past_len):
+    return _library_gpt2.attention(q, k, v, past_len)
+
+
+def wraps_by_name(q, k, v, past_len):
+    return (lambda: _library_attention(q, k, v, past_len))()          # even inside a lambda
+
+
+class CacheWrappingTheLibrary:
+    """Every method hands on to the library's cache."""
+
+    def __init__(self, *args):
+        from kvlab import cache
+        self.inner = cache.PreallocatedCache(*args)
+
+    def update(self, layer, k, v):
+        return self.inner.update(layer, k, v)
+
+
+def uses_an_attribute_named_like_the_library(q, k, v, past_len):
+    """`.attention` as an attribute name (not the library's function) must not count."""
+    holder = type("H", (), {"attention": staticmethod(no_mask)})
+    return holder.attention(q, k, v, past_len)
+
+
+def test_a_wrapper_around_the_library_is_refused():
+    from kvlab.checks._common import library_calls
+
+    assert library_calls(wraps_by_module) == ["kvlab.gpt2.attention"]
+    assert library_calls(wraps_by_name) == ["kvlab.gpt2.attention"]
+    assert library_calls(uses_an_attribute_named_like_the_library) == []
+    assert library_calls(CacheWrappingTheLibrary) == ["kvlab.cache (imported inside your code)"]
+    with pytest.raises(GraderFailure, match="your code uses kvlab.gpt2.attention"):
+        check_attention(wraps_by_module)
