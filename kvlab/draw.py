@@ -351,7 +351,7 @@ def _tables(blocks, seqs) -> dict:
     out = {}
     for s in seqs:
         if hasattr(s, "block_table") and not callable(s.block_table):
-            rid = " ".join(map(str, s.rid)) if isinstance(s.rid, tuple) else str(s.rid)
+            rid = " ".join(map(str, s.rid)) if isinstance(s.rid, tuple) else f"request {s.rid}"
             out[f"{rid}: {s.num_computed} tok"] = list(s.block_table)
         else:
             out[str(s)] = [int(b) for b in blocks.block_table(s)]
@@ -397,12 +397,29 @@ def block_tables(blocks, seqs, copies=(), title: str = "") -> Drawing:
         ax.add_patch(FancyArrowPatch((src + 0.45, 0), (dst + 0.45, 0), connectionstyle="arc3,rad=0.35",
                                      arrowstyle="-|>", mutation_scale=8, lw=1, color="crimson"))
     ax.text(-0.15, 0.45, "pool", ha="right", va="center", fontsize=8)
+    _pool_legend(fig, pool, copies)
     ax.set(xlim=(-0.2, n + 0.1), ylim=(-1.2 if copies else -0.1, 1.7 + rows * 1.1))
     ax.set_title(title or f"block tables into a pool of {n} blocks of {blocks.block_size} tokens", fontsize=9)
     ax.axis("off")
     return Drawing(fig, _tables_alt(blocks, tables, pool, copies),
                    "Block tables point into one pool; a block held by several tables is counted, and the "
                    "first write into a shared, partly filled block copies it first (red arrows).")
+
+
+def _pool_legend(fig, pool, copies) -> None:
+    """Name only the colours the pool shows, the prefix cache's mark and the copy arrows."""
+    meaning = {NEW: "shared (count > 1)", PAST: "one holder", "#cfe8cf": "no holder, kept by the prefix cache",
+               EMPTY: "free"}
+    shown = [c for c in meaning if any(colour == c for colour, _ in pool)]
+    handles = [Rectangle((0, 0), 1, 1, facecolor=c, edgecolor="k", lw=0.5) for c in shown]
+    labels = [meaning[c] for c in shown]
+    if any("*" in label for _, label in pool):
+        handles.append(Rectangle((0, 0), 1, 1, fill=False, lw=0))
+        labels.append("*: registered in the prefix cache")
+    if copies:
+        handles.append(FancyArrowPatch((0, 0), (1, 0), color="crimson"))
+        labels.append("copy-on-write")
+    fig.legend(handles, labels, loc="outside lower center", ncol=min(len(handles), 3), fontsize=7, frameon=False)
 
 
 def _tables_alt(blocks, tables, pool, copies) -> str:
@@ -448,8 +465,7 @@ def timeline(source, title: str = "") -> Drawing:
     if any(s[5] for s in spans):
         handles.append(Rectangle((0, 0), 1, 1, facecolor=SEEN, hatch="//", edgecolor="white"))
         labels.append("preempted at least once")
-    ax.legend(handles=handles, labels=labels, fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.18 - 2 / (len(spans) + 8)),
-              ncol=len(handles), frameon=False)
+    fig.legend(handles, labels, loc="outside lower center", ncol=len(handles), fontsize=7, frameon=False)
     ttft = sorted(s[2] - s[1] for s in spans)
     pre = sum(1 for s in spans if s[5])
     alt = (f"Timeline of {len(spans)} requests over {max(s[3] for s in spans):.3g} s: each bar runs from "

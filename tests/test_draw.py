@@ -84,7 +84,7 @@ def test_block_tables_of_the_serving_engine_with_copy_on_write_and_prefix_cache(
     a, b = (eng.submit(list(range(1, 7)) + [20 + i, 30 + i], 3) for i in range(2))
     assert eng.step() and eng.trace.steps[-1]["copy_pairs"] == [(1, 2), (1, 3)]   # each copies the half block
     d = _is_drawing(draw.block_tables(eng.blocks, [prefix, a, b], copies=eng.trace.steps[-1]["copy_pairs"]))
-    assert "prefix 0: 6 tok -> [0, 1]" in d.alt and "0: 8 tok -> [0, 2]" in d.alt and "1: 8 tok -> [0, 3]" in d.alt
+    assert "prefix 0: 6 tok -> [0, 1]" in d.alt and "request 0: 8 tok -> [0, 2]" in d.alt and "request 1: 8 tok -> [0, 3]" in d.alt
     assert "Blocks [0] are shared" in d.alt and "block 1 copied to 2, block 1 copied to 3" in d.alt
     assert "0*\nrc 3" in [t.get_text() for t in d.figure.axes[0].texts]        # registered in the prefix cache
     eng.run()
