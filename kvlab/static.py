@@ -74,6 +74,7 @@ class StaticCache(Cache):
         return self._write(layer, k, v, self.position, positions)
 
     def _write(self, layer, k, v, start, positions):
+        """Write ``T`` new keys/values at slots ``start ..`` in place (chapter 8); return the whole buffers and every slot's position."""
         T = k.shape[2]
         if k.shape[:2] != (self.batch_size, self.n_head) or k.shape[3] != self.head_dim or v.shape != k.shape:
             raise ValueError(
@@ -249,7 +250,7 @@ class StaticDecoder:
         self.cuda_graphs = False
 
     def _step(self, ids):
-        """One decode step: ids ``[B, 1]`` at the cache's position -> the greedy next ids ``[B]``."""
+        """One decode step (chapter 8): ids ``[B, 1]`` at the cache's position -> the greedy next ids ``[B]``."""
         return self.model(ids, self.cache, last_only=True)[:, -1].argmax(dim=-1)
 
     def compile(self, backend="inductor", mode: str | None = None, fullgraph: bool = True, **kwargs):
