@@ -74,7 +74,8 @@ class StaticCache(Cache):
         return self._write(layer, k, v, self.position, positions)
 
     def _write(self, layer, k, v, start, positions):
-        """Write ``T`` new keys/values at slots ``start ..`` in place (chapter 8); return the whole buffers and every slot's position."""
+        """Write ``T`` new keys/values at slots ``start ..`` in place (chapter 8); return the whole
+        buffers and every slot's position."""
         T = k.shape[2]
         if k.shape[:2] != (self.batch_size, self.n_head) or k.shape[3] != self.head_dim or v.shape != k.shape:
             raise ValueError(
