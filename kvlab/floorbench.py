@@ -21,6 +21,7 @@ from .progress import bar as tqdm   # no frozen bar in a page built unwatched
 
 from . import gpt2, harness, plots, roofline, timing
 from .generate import cached_generate, hf_greedy
+from .tables import show
 
 # ---------------------------------------------------------------------------------------------------
 # One decode step, repeatable at a fixed position
@@ -102,13 +103,13 @@ def generators_vs_floor(hf, prompt_len: int, new_tokens: int, threads_list=(None
 
 
 def print_rows(rows: list[dict]) -> None:
-    print(f"{'model':14} {'where':>9} {'generator':24} {'ms/token':>9} {'floor ms':>9} "
-          f"{'measured/floor':>14} {'achieved':>10} {'of probe':>8}   (read probe, copy, matmul rate)")
-    for r in rows:
-        print(f"{r['model']:14} {r['where']:>9} {r['generator']:24} {r['per_token'] * 1e3:9.3f} "
-              f"{r['floor_per_token'] * 1e3:9.3f} {r['ratio']:13.1f}x {r['achieved'] / 1e9:6.1f} GB/s "
-              f"{r['achieved'] / r['bandwidth']:7.0%}   ({r['bandwidth'] / 1e9:.1f} GB/s read, "
-              f"{r['copy_bandwidth'] / 1e9:.1f} copy, {r['flops'] / 1e9:.0f} GFLOP/s)")
+    """The generators against the floor, as a table that fits the page (:func:`kvlab.tables.show`)."""
+    show([{"model": r["model"], "where": r["where"], "generator": r["generator"],
+           "ms/token": f"{r['per_token'] * 1e3:.3f}", "floor ms": f"{r['floor_per_token'] * 1e3:.3f}",
+           "measured/floor": f"{r['ratio']:.1f}x", "achieved GB/s": f"{r['achieved'] / 1e9:.1f}",
+           "of read probe": f"{r['achieved'] / r['bandwidth']:.0%}",
+           "probes: read, copy GB/s; GFLOP/s": f"{r['bandwidth'] / 1e9:.1f}, {r['copy_bandwidth'] / 1e9:.1f}; "
+                                               f"{r['flops'] / 1e9:.0f}"} for r in rows])
 
 
 def closest_sentence(rows: list[dict], model: str, device) -> str:
@@ -340,13 +341,10 @@ def _crit_cell(row, context) -> str:
 def print_model_table(rows, contexts=(0, 512, 1000, 4096, 32768)) -> None:
     """The table, with the critical batch at a few context lengths ('never': no batch is
     compute-bound there; '-': beyond the model's context)."""
-    heads = "".join(f"{f'at {c:,}':>10}" for c in contexts)
-    print(f"{'model':13} {'weights':>9} {'rows-only':>9} {'floor, B=1':>10} {'FLOP/B, B=1':>11} "
-          f"{'attn FLOP/B':>11}  critical batch {heads}")
-    for r in rows:
-        cells = "".join(f"{_crit_cell(r, c):>10}" for c in contexts)
-        print(f"{r['name']:13} {r['weights'] / 1e9:6.2f} GB {r['lookup']:9.1%} {r['floor'] * 1e3:7.2f} ms "
-              f"{r['intensity']:11.2f} {r['attention']:11.2f}  {'':14} {cells}")
+    show([{"model": r["name"], "weights": f"{r['weights'] / 1e9:.2f} GB", "rows-only": f"{r['lookup']:.1%}",
+           "floor, B=1": f"{r['floor'] * 1e3:.2f} ms", "FLOP/B, B=1": f"{r['intensity']:.2f}",
+           "attn FLOP/B": f"{r['attention']:.2f}"}
+          | {f"critical batch at {c:,}": _crit_cell(r, c) for c in contexts} for r in rows])
 
 
 def plot_critical_batch(rows, ax, ridge: float) -> None:

@@ -8,7 +8,7 @@ plot and tabulate nothing. What turns their results into evidence lives here, on
 * :func:`rewinding_step`: one decode step that rewinds its cache afterwards, so every call times the
   same step (``cache.rewind``, part of every cache's interface);
 * :func:`rewind_and_regenerate`: generate, rewind, regenerate (what speculative decoding relies on);
-* :func:`print_table`: rows of dicts as an aligned text table.
+* :func:`print_table`: rows of dicts as a table that fits the page (:mod:`kvlab.tables`).
 """
 
 from __future__ import annotations
@@ -72,10 +72,8 @@ def rewind_and_regenerate(model, cache, input_ids: torch.Tensor, max_new_tokens:
 
 
 def print_table(rows: list[dict], columns: dict) -> None:
-    """Rows of dicts as an aligned text table; ``columns`` maps a key to ``(header, format)``."""
-    cells = [[fmt.format(r[k]) for k, (_, fmt) in columns.items()] for r in rows]
-    heads = [h for h, _ in columns.values()]
-    widths = [max(len(h), *(len(c[i]) for c in cells)) for i, h in enumerate(heads)]
-    print("  ".join(h.rjust(w) if i else h.ljust(w) for i, (h, w) in enumerate(zip(heads, widths))))
-    for c in cells:
-        print("  ".join(x.rjust(w) if i else x.ljust(w) for i, (x, w) in enumerate(zip(c, widths))))
+    """Rows of dicts as a table that fits the page (:func:`kvlab.tables.show`: HTML in a notebook,
+    aligned text elsewhere); ``columns`` maps a key to ``(header, format)``."""
+    from .tables import show
+
+    show([[fmt.format(r[k]) for k, (_, fmt) in columns.items()] for r in rows], [h for h, _ in columns.values()])

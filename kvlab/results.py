@@ -32,6 +32,9 @@ HEADERS = {
     "vs_floor": "measured / floor", "bound": "floor set by", "bandwidth_GBps": "bandwidth (GB/s)",
     "matmul_GFLOPs": "matmul (GFLOP/s)", "prompt_len": "prompt length", "variant": "variant",
     "vs_eager": "speed vs eager", "compile_s": "first call, compiling (s)",
+    "achieved_GBps": "achieved (GB/s)", "of_read_probe": "share of the read probe's bandwidth",
+    "copy_GBps": "copy bandwidth (GB/s)", "bandwidth_probe": "bandwidth measured by",
+    "dtype": "dtype", "backend": "compile backend", "mode": "compile mode",
 }
 TITLES = {
     "speedup": "Naive vs cached generation: total time against N (chapter 2)",

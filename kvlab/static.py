@@ -347,15 +347,40 @@ def hf_compile_config(device, backend="inductor", mode: str | None = None):
     """A transformers ``CompileConfig`` for ``generate`` (chapter 8): ``reduce-overhead`` (CUDA
     graphs) on CUDA, inductor's default mode elsewhere. transformers compiles the decode step by itself
     only on accelerators; its ``_compile_all_devices`` flag (meant for exactly this) asks it to on a
-    CPU too."""
+    CPU too. The flag is private: if this transformers release no longer reads it, a RuntimeError
+    says so here, rather than ``generate`` running eagerly in a row that claims to be compiled."""
     from transformers import CompileConfig
 
     device = torch.device(device)
     if mode is None:
         mode = "reduce-overhead" if device.type == "cuda" else "default"
     config = CompileConfig(backend=backend, mode=mode, fullgraph=True, dynamic=False)
-    config._compile_all_devices = device.type != "cuda"
+    if device.type != "cuda":
+        if not honours_compile_all_devices():
+            import transformers
+            raise RuntimeError(
+                f"transformers {transformers.__version__} no longer reads CompileConfig._compile_all_devices, the "
+                f"private flag that makes generate compile its decode step on a {device.type}: its 'compiled' row "
+                "would run eagerly. Install the release requirements-lab.txt pins (transformers>=5.24,<5.25), or "
+                "leave the transformers compiled row out on this device.")
+        config._compile_all_devices = True
     return config
+
+
+def honours_compile_all_devices() -> bool:
+    """Whether transformers' CompileConfig has ``_compile_all_devices`` and generate's rule for
+    compiling by itself (``GenerationMixin._valid_auto_compile_criteria``) still reads it."""
+    import inspect
+
+    from transformers import CompileConfig
+    from transformers.generation.utils import GenerationMixin
+
+    rule = getattr(GenerationMixin, "_valid_auto_compile_criteria", None)
+    try:
+        source = inspect.getsource(rule) if rule is not None else ""
+    except (OSError, TypeError):
+        source = ""
+    return hasattr(CompileConfig, "_compile_all_devices") and "_compile_all_devices" in source
 
 
 @torch.no_grad()

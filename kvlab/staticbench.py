@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from . import gpt2, harness, plots, roofline, static, timing, verdicts
 from .generate import hf_greedy
+from .tables import show
 
 # The four generators, and for each compiled one the eager one it replaces.
 EAGER_HF, COMPILED_HF = "transformers, eager", "transformers, static + compiled"
@@ -124,14 +125,17 @@ def measure(hf, prompt_len: int, new_tokens: int, threads: int | None = None, re
 
 
 def print_rows(rows: list[dict]) -> None:
-    print(f"{'model':13} {'thr':>3} {'generator':32} {'ms/token':>9} {'floor ms':>9} {'x floor':>8} "
-          f"{'compile s':>9} {'pays off after':>15}")
-    for r in rows:
-        comp = f"{r['compile_s']:9.1f}" if r["compile_s"] is not None else f"{'-':>9}"
-        pays = ("-" if r["compile_s"] is None else "never" if r["break_even"] is None
+    """The generators against the floor, with achieved bandwidth and what compiling cost, as a table
+    that fits the page (:func:`kvlab.tables.show`)."""
+    def pays(r):
+        return ("-" if r["compile_s"] is None else "never" if r["break_even"] is None
                 else f"{r['break_even']:,.0f} tokens")
-        print(f"{r['model']:13} {r['threads']:3d} {r['generator']:32} {r['per_token'] * 1e3:9.3f} "
-              f"{r['floor_per_token'] * 1e3:9.3f} {r['ratio']:7.2f}x {comp} {pays:>15}")
+    show([{"model": r["model"], "threads": r["threads"], "generator": r["generator"],
+           "ms/token": f"{r['per_token'] * 1e3:.3f}", "floor ms": f"{r['floor_per_token'] * 1e3:.3f}",
+           "x floor": f"{r['ratio']:.2f}x", "achieved GB/s": f"{r['achieved'] / 1e9:.2f}",
+           "of read probe": f"{r['achieved'] / r['bandwidth']:.0%}", "read probe GB/s": f"{r['bandwidth'] / 1e9:.1f}",
+           "compile s": "-" if r["compile_s"] is None else f"{r['compile_s']:.1f}", "pays off after": pays(r)}
+          for r in rows])
 
 
 def plot_rows(rows: list[dict], ax) -> None:

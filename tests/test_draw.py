@@ -76,6 +76,41 @@ def test_generic_diagrams_for_chapters_7_to_9():
     assert "b -> [0, 2]" in _is_drawing(draw.block_tables(a, ["a", "b"])).alt
 
 
+def test_block_tables_of_the_serving_engine_with_copy_on_write_and_prefix_cache():
+    from kvlab.checks._fake import FakeLM
+    from kvlab.serving import Engine
+    eng = Engine(FakeLM(vocab=97), num_blocks=12, block_size=4, max_num_batched_tokens=64)
+    prefix = eng.add_prefix(list(range(1, 7)))                          # 6 tokens: block 0 full, block 1 half
+    a, b = (eng.submit(list(range(1, 7)) + [20 + i, 30 + i], 3) for i in range(2))
+    assert eng.step() and eng.trace.steps[-1]["copy_pairs"] == [(1, 2), (1, 3)]   # each copies the half block
+    d = _is_drawing(draw.block_tables(eng.blocks, [prefix, a, b], copies=eng.trace.steps[-1]["copy_pairs"]))
+    assert "prefix 0: 6 tok -> [0, 1]" in d.alt and "request 0: 8 tok -> [0, 2]" in d.alt and "request 1: 8 tok -> [0, 3]" in d.alt
+    assert "Blocks [0] are shared" in d.alt and "block 1 copied to 2, block 1 copied to 3" in d.alt
+    assert "0*\nrc 3" in [t.get_text() for t in d.figure.axes[0].texts]        # registered in the prefix cache
+    eng.run()
+    d = _is_drawing(draw.block_tables(eng.blocks, [prefix]))
+    cached = sorted(eng.blocks.cached)
+    assert cached and f"Blocks {cached} have no holder but stay in the prefix cache" in d.alt
+    assert "No block is shared" in d.alt and "Copy-on-write" not in d.alt
+
+
+def test_timeline_of_a_served_engine():
+    from kvlab.checks._fake import FakeLM
+    from kvlab.serving import Engine
+    eng = Engine(FakeLM(vocab=97), num_blocks=6, block_size=4, max_num_batched_tokens=8, max_num_seqs=4)
+    for i in range(5):
+        eng.submit([3 + i] * (4 + i), 6)                              # all at 0: the same schedule every run
+    eng.run()
+    times = eng.trace.token_times
+    d = _is_drawing(draw.timeline(eng, title="a test run"))
+    ttft = sorted(times[s.rid][0] - s.arrival for s in eng.seqs.values())
+    assert d.alt.startswith("Timeline of 5 requests over") and f"longest {ttft[-1]:.3g} s" in d.alt
+    pre = sum(1 for s in eng.seqs.values() if s.preemptions)
+    assert pre and f"{pre} were preempted at least once" in d.alt     # the pool of 6 blocks binds
+    ticks = sum(len(line.get_xdata()) for line in d.figure.axes[0].lines) - 5    # minus one arrival mark each
+    assert ticks == sum(len(t) for t in times.values())                # one tick per token
+
+
 def test_timeline_of_requests():
     class R:
         def __init__(self, rid, s, f, e):

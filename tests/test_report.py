@@ -196,3 +196,18 @@ def test_wheels_are_never_committed():
     assert "/wheels/" in (REPO_ROOT / ".gitignore").read_text().split()
     reqs = (REPO_ROOT / "scripts" / "gpu_requirements.txt").read_text()
     assert "transformers==5.24" in reqs and "nbval" in reqs
+
+
+def test_every_key_the_report_writes_has_a_label(dry_run):
+    """The results page names each column and each section note in words, never by its raw key."""
+    _, out = dry_run
+    r = results.load(out / "report.json")
+    keys = {k for sec in r["sections"].values() for row in sec.get("rows", []) for k in row}
+    keys |= {k for sec in r["sections"].values() for k, v in sec.items()
+             if k not in ("rows", "status", "seconds") and not isinstance(v, (dict, list))}
+    assert {"achieved_GBps", "of_read_probe", "copy_GBps", "bandwidth_probe"} <= keys
+    assert not keys - set(results.HEADERS), f"no label for {sorted(keys - set(results.HEADERS))}"
+    md = results.markdown(r)
+    assert "achieved (GB/s)" in md and "share of the read probe's bandwidth" in md
+    assert "copy bandwidth (GB/s)" in md and "bandwidth measured by read-only reduction" in md
+    assert "achieved_GBps" not in md and "of read probe" not in md

@@ -5,6 +5,7 @@ import torch
 
 from kvlab.cache import Cache
 from kvlab.gpt2 import GPT2, attention, generate
+from kvlab import static
 from kvlab.static import StaticCache, StaticDecoder, static_attention, static_attention_explicit
 
 
@@ -123,3 +124,23 @@ def test_no_compiler_is_a_clear_error(monkeypatch):
     monkeypatch.setenv("CXX", "no-such-compiler-kvlab")
     with pytest.raises(RuntimeError, match="needs a C\\+\\+ compiler"):
         cpu_compiler()
+
+
+def test_hf_compile_config_refuses_a_transformers_that_ignores_the_private_flag(monkeypatch):
+    """transformers compiles generate's decode step on a CPU only through CompileConfig's private
+    ``_compile_all_devices``; without it the 'compiled' row would run eagerly: refused, by name."""
+    import transformers
+    from transformers.generation.utils import GenerationMixin
+
+    assert static.honours_compile_all_devices()              # the pinned release reads the flag
+    assert static.hf_compile_config("cpu")._compile_all_devices is True
+    assert static.hf_compile_config("cuda").mode == "reduce-overhead"   # compiles by itself there
+    monkeypatch.delattr(transformers.CompileConfig, "_compile_all_devices")
+    with pytest.raises(RuntimeError, match="_compile_all_devices.*would run eagerly"):
+        static.hf_compile_config("cpu")
+    static.hf_compile_config("cuda")                          # not needed on CUDA: no error
+    monkeypatch.undo()
+    monkeypatch.setattr(GenerationMixin, "_valid_auto_compile_criteria", lambda self, kw, gc: True)
+    assert not static.honours_compile_all_devices()           # the flag exists but is no longer read
+    with pytest.raises(RuntimeError, match="transformers .* no longer reads"):
+        static.hf_compile_config("cpu")

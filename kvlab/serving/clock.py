@@ -49,7 +49,8 @@ class Trace:
             decode_tokens=decode, prefill_tokens=batch.num_tokens - decode, logit_rows=len(emitted),
             context=batch.context, pairs=batch.pairs, blocks_used=blocks.num_blocks - blocks.num_free,
             waiting=len(scheduler.waiting), running=len(scheduler.running), preempted=len(batch.preempted),
-            copies=len(batch.copies), held=sum(s.num_computed for s in scheduler.running),
+            copies=len(batch.copies), copy_pairs=list(batch.copies),
+            held=sum(s.num_computed for s in scheduler.running),
             reserved=max(scheduler.reserved, blocks.num_blocks - blocks.num_free)))
         for seq in emitted:
             self.token_times[seq.rid].append(t)
