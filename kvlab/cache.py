@@ -64,7 +64,7 @@ class Cache(ABC):
     batch_size: int | None = None   # rows the cache holds (None: set by the first update)
     _len: int = 0                   # slots written in every layer (the caches that count)
     #: attributes that hold positions and counters, not keys or values (``nbytes`` leaves them out)
-    bookkeeping = ("slot_pos", "_key_pos", "_pass_pos", "position", "_plan", "_slots")
+    bookkeeping = ("slot_pos", "_key_pos", "_key_pos_view", "_pass_pos", "position", "_plan", "_slots")
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor | None = None):
         """Store ``k``/``v`` of ``layer``, the tokens at ``positions``; return ``(keys, values, key_pos)``
@@ -196,6 +196,7 @@ class PreallocatedCache(Cache):
         self.slot_pos = torch.full((batch_size, max_len), EMPTY, dtype=torch.long, device=device)
         self.dtype, self.device = dtype, self.keys.device
         self._len = 0   # slots written in every layer, i.e. where the next write starts
+        self._key_pos_view = self.slot_pos[:, None, :0]
 
     def store(self, layer, k, v, positions):
         T = self._check_update(k, v)                   # the cache's shape, and room for T more tokens
@@ -204,8 +205,9 @@ class PreallocatedCache(Cache):
         self.values[layer, :, :, start:end] = v
         if layer == 0:
             self.slot_pos[:, start:end] = positions
+            self._key_pos_view = self.slot_pos[:, None, :end]   # the same for every layer of this pass
         self._advance(layer, T)                        # after the last layer: every layer has them
-        return self.keys[layer, :, :, :end], self.values[layer, :, :, :end], self.slot_pos[:, None, :end]
+        return self.keys[layer, :, :, :end], self.values[layer, :, :, :end], self._key_pos_view
 
     @property
     def _key_pos(self):

@@ -93,11 +93,13 @@ def sdpa_attention(q, k, v, past_len: int):
 
 def masked_attention(q, k, v, mask):
     """The model's attention: ``q`` ``[B, H, T, D]`` over ``k``, ``v`` ``[B, H, S, D]``, where ``mask``
-    (bool, broadcastable to ``[B, H, T, S]``, True = may attend) comes from :func:`kvlab.cache.visible`."""
+    is :func:`kvlab.cache.visible` as an additive bias, broadcastable to ``[B, H, T, S]``: 0 where the
+    key is visible, -inf where it is hidden. (Handed a bool mask, ``scaled_dot_product_attention``
+    would convert it to this in every layer; the model converts it once per forward pass.)"""
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 
-masked_attention.takes_mask = True
+masked_attention.takes_mask = "additive"   # other attention functions marked takes_mask get the bool mask
 
 
 class PastLenAttention:
@@ -152,12 +154,15 @@ class Visibility:
     mask for the key positions the cache returns. Those are the same in every layer of a pass (the
     cache records a token's position once), so the mask is computed once, at the first layer."""
 
-    def __init__(self, positions: torch.Tensor):
-        self.positions, self._mask = positions, None
+    def __init__(self, positions: torch.Tensor, additive: bool = False, dtype=torch.float32):
+        self.positions, self.additive, self.dtype, self._mask = positions, additive, dtype, None
 
     def mask(self, key_pos: torch.Tensor) -> torch.Tensor:
+        """``[B, 1, T, S]``: bool (True = may attend), or as an additive bias (0 / -inf) if asked."""
         if self._mask is None:
-            self._mask = visible(self.positions, key_pos)[:, None]
+            seen = visible(self.positions, key_pos)[:, None]
+            self._mask = (torch.zeros(seen.shape, dtype=self.dtype, device=seen.device)
+                          .masked_fill_(~seen, float("-inf")) if self.additive else seen)
         return self._mask
 
 
@@ -209,6 +214,7 @@ class GPT2(nn.Module):
     @attention_fn.setter
     def attention_fn(self, fn):
         self._attention_fn = as_mask_attention(fn)
+        self._additive_mask = getattr(self._attention_fn, "takes_mask", None) == "additive"
 
     def forward(self, input_ids, cache=None, positions=None, last_only: bool = False, select=None):
         """Logits ``[B, T, vocab]`` for ``input_ids [B, T]`` at ``positions [B, T]`` (chapter 3).
@@ -229,7 +235,7 @@ class GPT2(nn.Module):
             x = self.wte(input_ids) + self.wpe(positions)
         else:
             x = self.wte(input_ids) + self.wpe(positions.clamp(min=0))   # a pad is embedded at position 0
-        rule = Visibility(positions)
+        rule = Visibility(positions, self._additive_mask, x.dtype)
         for layer, block in enumerate(self.h):
             x = block(x, layer, cache, rule, self.attention_fn)
         if select is not None:
