@@ -25,7 +25,7 @@ import argparse
 
 import torch
 
-from . import gpt2, harness, models, roofline, static, staticbench, timing
+from . import gpt2, harness, models, probes, roofline, static, staticbench, timing
 from .cli import at_least
 from .generate import cached_generate, hf_greedy, naive_generate
 
@@ -111,7 +111,7 @@ def _print_compile_times(first_call, res, new_tokens) -> None:
 def _floor(hf, device, prompt_len: int, new_tokens: int) -> tuple[float, float]:
     """The least time the generation could take on this machine (chapter 7), measured once per run,
     and the read probe's bandwidth it uses."""
-    m = roofline.machine(device, roofline.model_dtype(hf))
+    m = probes.machine(device, roofline.model_dtype(hf))
     floor = roofline.generation_floor(hf, 1, prompt_len, new_tokens, m["bandwidth"], m["flops"])
     print(f"floor of this generation here: {floor:.3f} s (max of bytes / read bandwidth and FLOPs / matmul "
           "rate per step); 'x floor' = median / floor; 'achieved' = bytes of the generation / median, "

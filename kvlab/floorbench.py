@@ -19,7 +19,7 @@ import sys
 import torch
 from .progress import bar as tqdm   # no frozen bar in a page built unwatched
 
-from . import gpt2, harness, plots, roofline, timing
+from . import gpt2, harness, plots, probes, roofline, timing
 from .generate import cached_generate, hf_greedy
 from .tables import show
 
@@ -62,7 +62,7 @@ def step_fn(model, batch_size: int, seq_len: int, seed: int = 0):
 
 def step_time(model, batch_size: int, seq_len: int, repeats: int = 5) -> float:
     """Median seconds of one decode step (CUDA events on a GPU, torch.utils.benchmark on a CPU)."""
-    return roofline.median_seconds(step_fn(model, batch_size, seq_len), _device(model), repeats=repeats)
+    return probes.median_seconds(step_fn(model, batch_size, seq_len), _device(model), repeats=repeats)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -88,7 +88,7 @@ def generators_vs_floor(hf, prompt_len: int, new_tokens: int, threads_list=(None
     for threads in threads_list:
         if device.type == "cpu" and threads:
             torch.set_num_threads(threads)
-        m = roofline.machine(device, roofline.model_dtype(hf), verbose=False)
+        m = probes.machine(device, roofline.model_dtype(hf), verbose=False)
         floor = roofline.generation_floor(hf, 1, prompt_len, new_tokens, m["bandwidth"], m["flops"])
         res = timing.compare(runs, warmup=0, repeats=repeats, progress=False)
         for name, t in res.items():
@@ -389,7 +389,7 @@ def quant_rows(name: str, batch_size: int, seq_len: int, bandwidth: float, flops
     """The floor of one step under weight and cache formats (bytes per element; int4 = 0.5), without
     the scales a real quantized format stores beside the values (a few percent). The fp32 row
     computes at ``flops`` (the fp32 rate); every other row dequantizes to half precision and
-    computes at ``half_flops`` (the rate :func:`kvlab.roofline.arithmetic_rate` measured for it)."""
+    computes at ``half_flops`` (the rate :func:`kvlab.probes.arithmetic_rate` measured for it)."""
     m = roofline.meta_model(name, torch.float16)
     formats = [("fp32 weights, fp32 cache", 4, 4), ("fp16 weights, fp16 cache", 2, 2),
                ("fp16 weights, int8 cache", 2, 1), ("fp16 weights, int4 cache", 2, 0.5),

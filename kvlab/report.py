@@ -266,14 +266,14 @@ def _our_step(ours, ids: torch.Tensor, seq_len: int):
 @torch.no_grad()
 def floor(run: Run) -> dict:
     """Chapter 7: each decode step's time against its floor from measured bandwidth and FLOP/s."""
-    from . import roofline
+    from . import probes, roofline
 
     dtype = next(run.model(run.plan["models"][0])[1].parameters()).dtype
     probe = run.plan.get("probe", {})              # fewer repeats and a smaller matmul in quick mode
     reps = probe.get("repeats", 7)                 # the bandwidth buffer is always sized from the LLC
-    bw = roofline.measure_bandwidth(run.device, repeats=reps, verbose=False, kind="read")
-    copy = roofline.measure_bandwidth(run.device, repeats=reps, verbose=False, kind="copy")
-    fl = roofline.measure_matmul_flops(run.device, dtype, n=probe.get("n"), repeats=reps, verbose=False)
+    bw = probes.measure_bandwidth(run.device, repeats=reps, verbose=False, kind="read")
+    copy = probes.measure_bandwidth(run.device, repeats=reps, verbose=False, kind="copy")
+    fl = probes.measure_matmul_flops(run.device, dtype, n=probe.get("n"), repeats=reps, verbose=False)
     rows = []
     for name in run.each_model():
         _, ours = run.model(name)
@@ -293,7 +293,7 @@ def floor(run: Run) -> dict:
 
 def _floor_grid(run: Run, ours) -> list[tuple[int, int]]:
     """(batch, positions) points of the floor section that fit this device's budget."""
-    from . import roofline
+    from . import probes, roofline
 
     cache_limit = 16 * 2**30 if run.device.type == "cuda" else 2**30     # skip what would not fit well
     ctx, big_on_cpu = ours.config.n_positions, run.device.type == "cpu" and ours.config.n_embd > 512

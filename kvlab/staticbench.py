@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from . import gpt2, harness, plots, roofline, static, timing, verdicts
+from . import gpt2, harness, plots, probes, roofline, static, timing, verdicts
 from .generate import hf_greedy
 from .tables import show
 
@@ -116,7 +116,7 @@ def measure(hf, prompt_len: int, new_tokens: int, threads: int | None = None, re
     runs = _generators(hf, ours, prompt, new_tokens, device)
     first = {name: static.time_first_call(runs[name], device) for name in TWIN}
     _check_tokens(runs, hf, prompt_len, new_tokens)
-    m = roofline.machine(device, roofline.model_dtype(hf), verbose=False)
+    m = probes.machine(device, roofline.model_dtype(hf), verbose=False)
     products = matvec_fn(ours)             # timed with the generators, under the same conditions
     res = timing.compare({**runs, "matvec": lambda: [products() for _ in range(new_tokens)]}, warmup=0,
                          repeats=repeats, progress=progress)

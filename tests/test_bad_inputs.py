@@ -13,7 +13,7 @@ import shutil
 import pytest
 import torch
 
-from kvlab import bench, calculator, generate, gpt2, models, paged, quant, report, roofline
+from kvlab import bench, calculator, generate, gpt2, models, paged, probes, quant, report, roofline
 
 
 def raises(exc, call, *needles):
@@ -57,13 +57,13 @@ def test_cuda_index_past_the_gpus_is_refused(monkeypatch):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
 def test_load_and_machine_check_the_device_first():
     raises(ValueError, lambda: models.load("kvlab-tiny", device="cuda"), "no CUDA GPU", "device='cpu'")
-    raises(ValueError, lambda: roofline.machine("cuda", verbose=False), "no CUDA GPU")
+    raises(ValueError, lambda: probes.machine("cuda", verbose=False), "no CUDA GPU")
 
 
 @pytest.mark.parametrize("device", ["meta", "gpu"])
 def test_the_machine_is_never_measured_on_meta_or_a_made_up_device(device):
-    raises(ValueError, lambda: roofline.machine(device, verbose=False), "cpu")
-    raises(ValueError, lambda: roofline.measure_bandwidth(device, verbose=False), "cpu")
+    raises(ValueError, lambda: probes.machine(device, verbose=False), "cpu")
+    raises(ValueError, lambda: probes.measure_bandwidth(device, verbose=False), "cpu")
 
 
 # ---- model folders --------------------------------------------------------------------------------
@@ -394,11 +394,11 @@ def test_generation_floor_refuses_negative_lengths(meta, args, needle):
 
 def test_rates_and_sizes_must_make_sense(meta):
     raises(ValueError, lambda: roofline.step_time_floor(meta, 1, 5, 1e9, float("inf")), "finite")
-    raises(ValueError, lambda: roofline.measure_bandwidth(size_mib=0, verbose=False), "size_mib")
-    raises(ValueError, lambda: roofline.measure_bandwidth(size_mib=1, repeats=0, verbose=False), "repeats")
-    raises(ValueError, lambda: roofline.measure_bandwidth(size_mib=1, threads=0, verbose=False), "threads")
-    raises(ValueError, lambda: roofline.measure_matmul_flops(n=0, verbose=False), "matrix size")
-    raises(ValueError, lambda: roofline.median_seconds(lambda: None, "cpu", repeats=0), "repeats")
+    raises(ValueError, lambda: probes.measure_bandwidth(size_mib=0, verbose=False), "size_mib")
+    raises(ValueError, lambda: probes.measure_bandwidth(size_mib=1, repeats=0, verbose=False), "repeats")
+    raises(ValueError, lambda: probes.measure_bandwidth(size_mib=1, threads=0, verbose=False), "threads")
+    raises(ValueError, lambda: probes.measure_matmul_flops(n=0, verbose=False), "matrix size")
+    raises(ValueError, lambda: probes.median_seconds(lambda: None, "cpu", repeats=0), "repeats")
     raises(ValueError, lambda: roofline.critical_batch(meta, 5, 1e9, 1e9, limit=0), "limit")
     raises(ValueError, lambda: roofline.meta_model(123), "model name")
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
-from kvlab import gpt2, roofline
+from kvlab import gpt2, probes, roofline
 from kvlab.memory import kv_cache_bytes
 
 
@@ -128,8 +128,8 @@ def test_bad_rates_are_value_errors():
 def test_measurements_run_and_fix_threads(capsys):
     before = torch.get_num_threads()
     try:
-        bw = roofline.measure_bandwidth("cpu", size_mib=4, threads=1, repeats=3)
-        fl = roofline.measure_matmul_flops("cpu", torch.float32, n=128, threads=1, repeats=3)
+        bw = probes.measure_bandwidth("cpu", size_mib=4, threads=1, repeats=3)
+        fl = probes.measure_matmul_flops("cpu", torch.float32, n=128, threads=1, repeats=3)
         assert torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(before)
@@ -194,21 +194,21 @@ def test_probe_kinds(capsys):
     before = torch.get_num_threads()
     try:
         for kind in ("read", "copy", "gemv"):
-            assert roofline.measure_bandwidth("cpu", size_mib=4, threads=1, repeats=2, kind=kind) > 0
+            assert probes.measure_bandwidth("cpu", size_mib=4, threads=1, repeats=2, kind=kind) > 0
     finally:
         torch.set_num_threads(before)
     out = capsys.readouterr().out
     assert "sum of 4 MiB" in out and "copy of 4 MiB" in out and "matrix-vector" in out
-    if (roofline.cpu_cache_bytes() or 0) >= 4 * 2**20:
+    if (probes.cpu_cache_bytes() or 0) >= 4 * 2**20:
         assert "fits in the last-level cache" in out      # a probe that small measures the cache
     with pytest.raises(ValueError, match="kind"):
-        roofline.measure_bandwidth("cpu", size_mib=4, kind="write")
-    assert roofline._default_probe_mib("cpu") * 2**20 >= 4 * (roofline.cpu_cache_bytes() or 0)
+        probes.measure_bandwidth("cpu", size_mib=4, kind="write")
+    assert probes._default_probe_mib("cpu") * 2**20 >= 4 * (probes.cpu_cache_bytes() or 0)
 
 
 def test_arithmetic_rate_names_the_dtype(capsys):
-    rate, used = roofline.arithmetic_rate("cpu", torch.float32, threads=1, verbose=False)
+    rate, used = probes.arithmetic_rate("cpu", torch.float32, threads=1, verbose=False)
     assert rate > 0 and used == torch.float32
-    rate, used = roofline.arithmetic_rate("cpu", torch.float16, threads=1)
+    rate, used = probes.arithmetic_rate("cpu", torch.float16, threads=1)
     assert used in (torch.float16, torch.bfloat16, torch.float32)
     assert "priced at the" in capsys.readouterr().out

@@ -1,0 +1,176 @@
+"""The two numbers of a machine that chapter 7's floor divides by, measured (chapter 7).
+
+``kvlab.roofline`` is arithmetic: the bytes and FLOPs a step must move, and the floor they set for a
+given bandwidth and arithmetic rate. This module measures those two rates on the machine at hand and
+says, in one printed line each, what it timed: a read-only bandwidth probe over a buffer several
+times the last-level cache (the copy and matrix-vector probes beside it), and the matrix-product rate
+of the dtype that does the arithmetic.
+
+    m = probes.machine("cpu")            # {"bandwidth": ..., "flops": ..., "ridge": ..., ...}
+    roofline.step_time_floor(model, 1, 128, m["bandwidth"], m["flops"])
+"""
+
+from __future__ import annotations
+
+import statistics
+
+import torch
+import torch.utils.benchmark as benchmark
+
+from .memory import as_dtype
+from .models import check_device
+from .roofline import _whole
+
+
+# ---------------------------------------------------------------------------------------------------
+# The two numbers of the machine
+
+
+def _threads(device, threads: int | None) -> int:
+    if torch.device(device).type != "cpu":
+        return torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    return torch.get_num_threads()
+
+
+def median_seconds(fn, device, repeats: int = 7, warmup: int = 2, threads: int | None = None) -> float:
+    """Median seconds per call of ``fn``: CUDA events on a GPU, torch.utils.benchmark on a CPU."""
+    repeats, warmup = _whole(repeats, "repeats", 1), _whole(warmup, "warmup")
+    for _ in range(warmup):
+        fn()
+    if torch.device(device).type == "cuda":
+        samples = []
+        for _ in range(repeats):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda.synchronize(device)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize(device)
+            samples.append(start.elapsed_time(end) / 1e3)
+        return statistics.median(samples)
+    timer = benchmark.Timer(stmt="fn()", globals={"fn": fn}, num_threads=threads or torch.get_num_threads())
+    return statistics.median(timer.timeit(1).median for _ in range(repeats))
+
+
+def _default_probe_mib(device) -> int:
+    """Four times the last-level cache (at least 64 MiB): a probe that fits in the cache measures
+    the cache. On a GPU, four times its L2 and at least 1 GiB."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0) or 0
+        return max(1024, 4 * l2 // 2**20)
+    llc = cpu_cache_bytes() or 256 * 2**20           # unknown: assume a large one
+    return max(64, 4 * llc // 2**20)
+
+
+_PROBES = {   # kind -> (bytes moved per element of the buffer, what is timed)
+    "read": (1, "sum of"), "copy": (2, "copy of"), "gemv": (1, "matrix-vector product over"),
+}
+
+
+def _probe_fn(kind: str, src: torch.Tensor):
+    if kind == "read":
+        return lambda: src.sum()                       # reads every byte once, writes one number
+    if kind == "copy":
+        dst = torch.empty_like(src)
+        return lambda: dst.copy_(src)                  # read + write (plus, on a CPU without streaming
+    mat = src.view(-1, 4096)                           # stores, a read-for-ownership of dst)
+    vec = torch.ones(4096, dtype=src.dtype, device=src.device)
+    return lambda: mat @ vec
+
+
+def measure_bandwidth(device="cpu", size_mib: int | None = None, threads: int | None = None,
+                      repeats: int = 7, verbose: bool = True, kind: str = "read") -> float:
+    """Bytes/s streamed over a buffer several times the last-level cache, median of ``repeats``.
+
+    ``kind="read"`` (the floor's bandwidth): a reduction, which only reads, as a decode step reads
+    its weights and cache. ``"copy"``: a tensor copy, read and write bytes both counted; on a CPU
+    the write also costs a read-for-ownership the count leaves out, so it understates what a
+    read-only step can stream. ``"gemv"``: a float32 matrix-vector product, the BLAS kernel a batch-1
+    step runs. On a CPU the thread count is fixed (``threads``, else torch's current one) and printed.
+    """
+    if kind not in _PROBES:
+        raise ValueError(f"kind must be one of {sorted(_PROBES)}, got {kind!r}")
+    device = check_device(device)
+    size_mib = None if size_mib is None else _whole(size_mib, "size_mib", 1)
+    threads, repeats = None if threads is None else _whole(threads, "threads", 1), _whole(repeats, "repeats", 1)
+    threads = _threads(device, threads)
+    mib = size_mib or _default_probe_mib(device)
+    src = torch.ones(mib * 2**20 // 4 // 4096 * 4096, dtype=torch.float32, device=device)
+    seconds = median_seconds(_probe_fn(kind, src), device, repeats=repeats, threads=threads)
+    moved, what = _PROBES[kind]
+    bw = moved * src.numel() * src.element_size() / seconds
+    if verbose:
+        where = f"{threads} threads" if device.type == "cpu" else str(device)
+        llc = cpu_cache_bytes() if device.type == "cpu" else None
+        note = " - fits in the last-level cache!" if llc and mib * 2**20 <= llc else ""
+        print(f"bandwidth ({kind}): {bw / 1e9:.1f} GB/s  ({what} {mib} MiB, {where}{note})")
+    return bw
+
+
+def measure_matmul_flops(device="cpu", dtype=torch.float32, n: int | None = None,
+                         threads: int | None = None, repeats: int = 5, verbose: bool = True) -> float:
+    """FLOP/s an ``n x n`` by ``n x n`` matrix product achieves (``2 n^3`` FLOPs), median of ``repeats``."""
+    from .timing import QUICK
+
+    device, dtype = check_device(device), as_dtype(dtype)
+    n = None if n is None else _whole(n, "n (the matrix size)", 1)
+    threads, repeats = None if threads is None else _whole(threads, "threads", 1), _whole(repeats, "repeats", 1)
+    threads = _threads(device, threads)
+    n = n or (8192 if device.type == "cuda" else 512 if QUICK else 1024)
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(n, n, generator=g).to(device=device, dtype=dtype)
+    b = torch.randn(n, n, generator=g).to(device=device, dtype=dtype)
+    seconds = median_seconds(lambda: a @ b, device, repeats=repeats, threads=threads)
+    rate = 2 * n ** 3 / seconds
+    if verbose:
+        where = f"{threads} threads" if device.type == "cpu" else str(device)
+        print(f"matmul: {rate / 1e9:.1f} GFLOP/s  ({n}x{n} {str(dtype).removeprefix('torch.')}, {where})")
+    return rate
+
+
+HALF = (torch.float16, torch.bfloat16)
+
+
+def arithmetic_rate(device="cpu", dtype=torch.float32, threads: int | None = None,
+                    verbose: bool = True) -> tuple[float, torch.dtype]:
+    """(FLOP/s, dtype) of the matrix products of a model stored in ``dtype``: that dtype's rate for
+    float32; for a half-precision model the fastest of fp16, bf16 and fp32 on this device (a CPU
+    without native fp16 arithmetic multiplies in bf16 or fp32 instead; a GPU's tensor cores in the
+    half format). The dtype that does the arithmetic is returned and printed."""
+    dtype = as_dtype(dtype)
+    candidates = [dtype] if dtype not in HALF else [dtype, *(d for d in HALF if d != dtype), torch.float32]
+    rates = {d: measure_matmul_flops(device, d, threads=threads, verbose=verbose) for d in candidates}
+    best = max(rates, key=rates.get)
+    if verbose and len(rates) > 1:
+        print(f"  a {str(dtype).removeprefix('torch.')} model's arithmetic is priced at the "
+              f"{str(best).removeprefix('torch.')} rate, the fastest here")
+    return rates[best], best
+
+
+def machine(device="cpu", dtype=torch.float32, threads: int | None = None, verbose: bool = True) -> dict:
+    """The machine's numbers at once: the read probe's bandwidth (the floor's), the copy's beside it,
+    the matmul rate of the dtype doing the arithmetic (:func:`arithmetic_rate`) and the ridge point."""
+    device, dtype = check_device(device), as_dtype(dtype)     # before the first measurement
+    bw = measure_bandwidth(device, threads=threads, verbose=verbose, kind="read")
+    copy = measure_bandwidth(device, threads=threads, verbose=verbose, kind="copy")
+    fl, used = arithmetic_rate(device, dtype, threads=threads, verbose=verbose)
+    return {"bandwidth": bw, "copy_bandwidth": copy, "flops": fl, "flops_dtype": used,
+            "ridge": fl / bw, "threads": torch.get_num_threads()}
+
+
+def cpu_cache_bytes() -> int | None:
+    """Size of the largest CPU cache level (bytes) as Linux reports it, or None if unknown."""
+    best = None
+    for index in range(8):
+        path = f"/sys/devices/system/cpu/cpu0/cache/index{index}/size"
+        try:
+            text = open(path).read().strip()
+        except OSError:
+            continue
+        mult = {"K": 1024, "M": 2**20, "G": 2**30}.get(text[-1:], 1)
+        size = int(text.rstrip("KMG")) * mult
+        best = max(best or 0, size)
+    return best
