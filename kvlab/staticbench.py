@@ -343,6 +343,7 @@ def profile_compiled_step(dec, steps: int = 5, rounds: int = 3) -> dict[str, tim
     cuda, last = dec.ids.device.type == "cuda", dec.max_len - 1
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     samples = {p: [] for p in (*PARTS, "wall", "fused", "unprofiled")}
+    _unprofiled(dec, 1, last, cuda)                  # one step first: nothing one-off lands in a sample
     for _ in range(rounds):
         samples["unprofiled"].append(_unprofiled(dec, steps, last, cuda))
         with floorbench._quiet_fd2(), profile(activities=acts) as prof:
@@ -371,7 +372,7 @@ def part_floors(model, batch_size: int, max_len: int, bandwidth: float, flops: f
             "everything else": max(rest, 0) / bandwidth}
 
 
-def step_breakdown(r: dict, steps: int = 5, rounds: int = 3) -> list[dict]:
+def step_breakdown(r: dict, steps: int = 10, rounds: int = 5) -> list[dict]:
     """Profile the compiled step of a row of :func:`measure` (its decoder, already compiled) and set
     each part against its floor: one dict per part, with the profile's samples for the noise test."""
     saved = torch.get_num_threads()
@@ -387,7 +388,8 @@ def step_breakdown(r: dict, steps: int = 5, rounds: int = 3) -> list[dict]:
         out.append(dict(model=r["model"], threads=r["threads"], device=r["device"], part=p, seconds=t.median,
                         floor=floor, wall=prof["wall"].median, unprofiled=prof["unprofiled"].median,
                         fused=prof["fused"].median, where=where, timing=t, wall_timing=prof["wall"],
-                        unprofiled_timing=prof["unprofiled"],
+                        unprofiled_timing=prof["unprofiled"], profiled=f"{rounds} x {steps} steps",
+                        max_len=r["decoder"].max_len,
                         excess=timing.Timing(p, [s - floor for s in t.samples])))
     return out
 
@@ -398,7 +400,9 @@ def print_breakdown(parts: list[dict]) -> None:
            "ms/step": f"{b['seconds'] * 1e3:.3f}", "of profiled step": f"{b['seconds'] / b['wall']:.0%}",
            "floor ms": f"{b['floor'] * 1e3:.4f}",
            "x floor": f"{b['seconds'] / b['floor']:.1f}x" if b["floor"] else "-",
-           "above floor ms": f"{(b['seconds'] - b['floor']) * 1e3:.3f}"} for b in parts])
+           "above floor ms": f"{(b['seconds'] - b['floor']) * 1e3:.3f}"} for b in parts],
+         caption=f"torch {torch.__version__} profiler, medians of " + "; ".join(dict.fromkeys(
+             f"{b['model']}: {b['profiled']}, max_len {b['max_len']}, {b['where']}" for b in parts)))
 
 
 def plot_breakdown(parts: list[dict], ax) -> None:
