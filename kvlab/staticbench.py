@@ -298,14 +298,15 @@ def part_of(name: str, kernel: bool = False) -> str:
 
 def _attribute(events, steps: int, cuda: bool) -> dict[str, float]:
     """Seconds per step in each part from one profile's ``key_averages()``: operators' self CPU time on
-    a CPU, kernels' device time on a GPU; "everything else" is the step's wall time minus the two."""
+    a CPU, kernels' device time on a GPU (not the device-side spans of annotated ranges); "everything
+    else" is the step's wall time minus the two."""
     from torch.autograd import DeviceType
 
     out, wall, fused = dict.fromkeys(PARTS, 0.0), 0.0, 0.0
     for ev in events:
-        if ev.key == _STEP:
-            wall = ev.cpu_time_total / 1e6 / steps
-        elif cuda and ev.device_type == DeviceType.CUDA:
+        if ev.key == _STEP:      # on a GPU the step's range also has a device-side twin: not a kernel
+            wall = ev.cpu_time_total / 1e6 / steps if ev.device_type == DeviceType.CPU else wall
+        elif cuda and ev.device_type == DeviceType.CUDA and not getattr(ev, "is_user_annotation", False):
             out[part_of(ev.key, kernel=True)] += ev.self_device_time_total / 1e6 / steps
             fused += ev.self_device_time_total / 1e6 / steps * ev.key.startswith("triton_")
         elif not cuda and ev.device_type == DeviceType.CPU:

@@ -151,10 +151,12 @@ def test_step_parts_by_name_and_device_time():
                "triton_red_fused__softmax_0": "attention", "triton_poi_fused_add_native_layer_norm_1": "everything else"}
     assert {k: sb.part_of(k) for k in ops} == ops
     assert {k: sb.part_of(k, kernel=True) for k in kernels} == kernels
-    ev = lambda key, dev, self_us=0.0, total_us=0.0: SimpleNamespace(    # noqa: E731
+    ev = lambda key, dev, self_us=0.0, total_us=0.0, note=False: SimpleNamespace(    # noqa: E731
         key=key, device_type=dev, self_device_time_total=self_us, self_cpu_time_total=self_us,
-        cpu_time_total=total_us)
+        cpu_time_total=total_us, is_user_annotation=note)
     events = [ev(sb._STEP, DeviceType.CPU, 100.0, 1000.0), ev("aten::addmm", DeviceType.CPU, 300.0),
+              ev(sb._STEP, DeviceType.CUDA, 900.0, 0.0),     # the range's device-side annotation
+              ev("attention block", DeviceType.CUDA, 700.0, 0.0, True),   # a user's range, not a kernel
               ev("ampere_sgemm_32x128_tn", DeviceType.CUDA, 400.0), ev("flash_fwd_kernel", DeviceType.CUDA, 200.0),
               ev("triton_poi_fused_add_0", DeviceType.CUDA, 100.0)]
     gpu = sb._attribute(events, steps=2, cuda=True)     # device time of the kernels, not the CPU's addmm
