@@ -417,6 +417,12 @@ def plot_breakdown(parts: list[dict], ax) -> None:
 def breakdown_sentence(parts: list[dict]) -> str:
     """Which part of the profiled compiled step is farthest above its floor (seconds above it), and
     whether the noise test (:mod:`kvlab.verdicts`) tells it from the next one."""
+    b = parts[0]
+    if not any(x["seconds"] for x in parts if x["part"] != "everything else"):   # nothing was named
+        why = ("no kernel of the replayed CUDA graph was recorded" if b["device"] == "cuda" else
+               "their operators go by names this attribution does not know")
+        return (f"On {b['model']} ({b['where']}) the profiler named no matrix product and no attention in "
+                f"the compiled step ({why}), so its {b['wall'] * 1e3:.3f} ms are not split into parts here.")
     first, second = sorted(parts, key=lambda b: -b["excess"].median)[:2]
     b, nxt = first, second["excess"].median
     told = nxt <= 0 < b["excess"].median or verdicts.told_apart(first["excess"], second["excess"])

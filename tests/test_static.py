@@ -217,3 +217,29 @@ def test_hf_compile_config_refuses_a_transformers_that_ignores_the_private_flag(
     assert not static.honours_compile_all_devices()           # the flag exists but is no longer read
     with pytest.raises(RuntimeError, match="transformers .* no longer reads"):
         static.hf_compile_config("cpu")
+
+
+def test_breakdown_sentence_is_computed_from_the_parts(capsys):
+    """The sentence names the part farthest above its floor, says when the noise test cannot tell it
+    from the next, and says so when the profiler named nothing (no split is invented)."""
+    from kvlab import staticbench as sb
+    from kvlab.timing import Timing
+
+    def parts(secs, spread=0.0):
+        out = []
+        for p, (t, floor) in zip(sb.PARTS, secs):
+            samples = [t * (1 - spread), t, t * (1 + spread)]
+            out.append(dict(model="m", threads=1, device="cpu", part=p, seconds=t, floor=floor, wall=3e-3,
+                            where="CPU x", profiled="3 x 5 steps", max_len=24,
+                            excess=Timing(p, [s - floor for s in samples])))
+        return out
+
+    attention_worst = parts([(1.0e-3, 0.9e-3), (1.5e-3, 0.1e-3), (0.5e-3, 0.0)])
+    s = sb.breakdown_sentence(attention_worst)
+    assert "farthest above its floor is attention" in s and "the next, everything else" in s
+    noisy = parts([(1.0e-3, 0.9e-3), (1.5e-3, 0.1e-3), (1.3e-3, 0.0)], spread=0.5)
+    assert "not told apart" in sb.breakdown_sentence(noisy)
+    blind = parts([(0.0, 0.9e-3), (0.0, 0.1e-3), (3e-3, 0.0)])
+    assert "named no matrix product" in sb.breakdown_sentence(blind)
+    sb.print_breakdown(attention_worst)
+    assert "above floor ms" in capsys.readouterr().out
