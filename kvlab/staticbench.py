@@ -396,9 +396,12 @@ def step_breakdown(r: dict, steps: int = 10, rounds: int = 5) -> list[dict]:
 
 
 def print_breakdown(parts: list[dict]) -> None:
-    """The profiled parts of a compiled step against their floors (:func:`kvlab.tables.show`)."""
-    show([{"model": b["model"], "threads": b["threads"], "part": b["part"],
-           "ms/step": f"{b['seconds'] * 1e3:.3f}", "of profiled step": f"{b['seconds'] / b['wall']:.0%}",
+    """The profiled parts of a compiled step against their floors (:func:`kvlab.tables.show`). Each
+    part is the median over the profiled rounds; "share" is of the three medians' sum (medians do not
+    add up to the median wall time)."""
+    total = {m: sum(b["seconds"] for b in parts if b["model"] == m) for m in {b["model"] for b in parts}}
+    show([{"model": b["model"], "threads": b["threads"], "part": b["part"], "ms/step": f"{b['seconds'] * 1e3:.3f}",
+           "share": f"{b['seconds'] / total[b['model']]:.0%}" if total[b["model"]] else "-",
            "floor ms": f"{b['floor'] * 1e3:.4f}",
            "x floor": f"{b['seconds'] / b['floor']:.1f}x" if b["floor"] else "-",
            "above floor ms": f"{(b['seconds'] - b['floor']) * 1e3:.3f}"} for b in parts],

@@ -148,7 +148,8 @@ def test_step_parts_by_name_and_device_time():
     kernels = {"ampere_sgemm_32x128_tn": "matrix products", "gemv2T_kernel_val<int, float>": "matrix products",
                "fmha_cutlassF_f32_aligned_64x64_rf_sm80": "attention",
                "void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits>": "attention",
-               "triton_red_fused__softmax_0": "attention", "triton_poi_fused_add_native_layer_norm_1": "everything else"}
+               "triton_red_fused__softmax_0": "attention",
+               "triton_poi_fused_add_native_layer_norm_1": "everything else"}
     assert {k: sb.part_of(k) for k in ops} == ops
     assert {k: sb.part_of(k, kernel=True) for k in kernels} == kernels
     ev = lambda key, dev, self_us=0.0, total_us=0.0, note=False: SimpleNamespace(    # noqa: E731
