@@ -4,6 +4,7 @@
     measure(hf, prompt_len, new_tokens, ...)     # eager / compiled x transformers / ours, vs the floor
     print_rows(rows), plot_rows(rows, ax)        # the table and the figure
     remains_sentences(rows, model)               # what is left above the floor, and in what
+    step_breakdown(row), print_breakdown(parts)  # torch.profiler: a compiled step's parts vs their floors
     verdicts: small functions that turn the measured rows into the chapter's sentences
 
 Compiled variants are timed after their first call, whose cost (compilation, and on a GPU the
@@ -12,11 +13,14 @@ recording of the CUDA graph) is measured on its own with :func:`kvlab.static.tim
 
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.nn.functional as F
 
-from . import gpt2, harness, plots, probes, roofline, static, timing, verdicts
+from . import floorbench, gpt2, harness, plots, probes, roofline, static, timing, verdicts
 from .generate import hf_greedy
+from .models import device_name
 from .tables import show
 
 # The four generators, and for each compiled one the eager one it replaces.
@@ -68,7 +72,7 @@ def graphs_compiled(model: gpt2.GPT2, prompt, steps: int, how: str) -> dict:
 def _generators(hf, ours, prompt, new_tokens, device):
     config = static.hf_compile_config(device)
     dec = static.StaticDecoder(ours, max_len=prompt.shape[1] + new_tokens).compile()
-    return dict(zip(VARIANTS, (lambda: hf_greedy(hf, prompt, new_tokens),
+    return dec, dict(zip(VARIANTS, (lambda: hf_greedy(hf, prompt, new_tokens),
                                lambda: static.hf_static_generate(hf, prompt, new_tokens, config),
                                lambda: gpt2.generate(ours, prompt, new_tokens),
                                lambda: dec.generate(prompt, new_tokens))))
@@ -80,7 +84,7 @@ def _check_tokens(runs, hf, prompt_len, new_tokens) -> None:
           f"tokens ({new_tokens} new after a prompt of {prompt_len})")
 
 
-def _rows(hf, res, first, matvec, m, prompt_len, new_tokens) -> list[dict]:
+def _rows(hf, res, first, matvec, m, prompt_len, new_tokens, dec) -> list[dict]:
     device = next(hf.parameters()).device
     n, bw, fl = new_tokens, m["bandwidth"], m["flops"]
     floor = roofline.generation_floor(hf, 1, prompt_len, n, bw, fl) / n
@@ -92,6 +96,8 @@ def _rows(hf, res, first, matvec, m, prompt_len, new_tokens) -> list[dict]:
                  break_even=None, matvec_per_token=matvec, weight_s=roofline.weight_read_bytes(hf, 1) / bw,
                  static_floor=static_floor(hf, prompt_len + n, bw, fl), timing=t, bandwidth=bw,
                  achieved=roofline.achieved_bandwidth(hf, 1, prompt_len, n, t.median))
+        if name == COMPILED_OURS:     # kept for step_breakdown: the profile reuses this compilation
+            r.update(decoder=dec, part_floors=part_floors(hf, 1, prompt_len + n, bw, fl))
         if name in TWIN:
             r["compile_s"] = compile_seconds(first[name], t.median)
             r["break_even"] = static.break_even_tokens(r["compile_s"], res[TWIN[name]].median / n,
@@ -113,7 +119,7 @@ def measure(hf, prompt_len: int, new_tokens: int, threads: int | None = None, re
     torch._dynamo.reset()                  # compile from scratch: the first calls below pay for it
     g = torch.Generator().manual_seed(1)
     prompt = torch.randint(0, hf.config.vocab_size, (1, prompt_len), generator=g).to(device)
-    runs = _generators(hf, ours, prompt, new_tokens, device)
+    dec, runs = _generators(hf, ours, prompt, new_tokens, device)
     first = {name: static.time_first_call(runs[name], device) for name in TWIN}
     _check_tokens(runs, hf, prompt_len, new_tokens)
     m = probes.machine(device, roofline.model_dtype(hf), verbose=False)
@@ -121,7 +127,7 @@ def measure(hf, prompt_len: int, new_tokens: int, threads: int | None = None, re
     res = timing.compare({**runs, "matvec": lambda: [products() for _ in range(new_tokens)]}, warmup=0,
                          repeats=repeats, progress=progress)
     matvec = res.pop("matvec").median / new_tokens
-    return _rows(hf, res, first, matvec, m, prompt_len, new_tokens)
+    return _rows(hf, res, first, matvec, m, prompt_len, new_tokens, dec)
 
 
 def print_rows(rows: list[dict]) -> None:
@@ -254,3 +260,194 @@ def remains_sentences(rows, model) -> list[str]:
         f"  the rest (attention, norms, embeddings, argmax, the loop and its guards): {rest * 1e3:.3f} ms, "
         f"{rest / step:.0%} of the step",
     ]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Where a compiled step's time goes: torch.profiler, each part against its own floor
+#
+# inductor fuses the step's elementwise work (layer norms, GELU, residual adds, the cache write, the
+# mask, the argmax) into generated kernels (C++ on a CPU, Triton on a GPU) that the profiler does not
+# name on a CPU, and calls a library for the matrix products (``extern_kernels.mm / addmm``: aten
+# operators the profiler does name) and, unless it decomposed it, for attention. Those two are
+# attributed by name; "everything else" is the rest of the step's wall time.
+
+PARTS = ("matrix products", "attention", "everything else")
+_STEP = "kvlab::compiled_step"
+_GENERATED = "## Call CompiledFxGraph"    # inductor's generated code on a CPU: its fused kernels, their caller
+_MATMUL_OPS = {"mm", "addmm", "addmv", "mv", "linear", "_mkl_linear", "_linear_pointwise"}
+_ATTENTION_OPS = floorbench._CATEGORIES["attention"] | {"bmm", "baddbmm", "_safe_softmax"}
+# GPU kernel names, by substring (lower case); attention first: "fmha_cutlassF" is attention, not a GEMM
+_ATTENTION_KERNELS = ("flash", "fmha", "attention", "attn", "sdpa", "softmax")
+_MATMUL_KERNELS = ("gemm", "gemv", "cutlass", "xmma", "splitk", "dot_kernel", "triton_tem_fused_mm",
+                   "triton_tem_fused_addmm")
+
+
+def part_of(name: str, kernel: bool = False) -> str:
+    """The part of :data:`PARTS` a profiler event belongs to: an operator's name (``aten::addmm``),
+    or with ``kernel=True`` a GPU kernel's. A batched product (``bmm``) is attention's (queries times
+    cached keys, weights times values): no weight matrix of GPT-2 is batched."""
+    low = name.lower()
+    if kernel:
+        hit = next((p for p, subs in (("attention", _ATTENTION_KERNELS), ("matrix products", _MATMUL_KERNELS))
+                    if any(s in low for s in subs)), None)
+        return hit or "everything else"
+    op = name.split("::")[-1]
+    return ("matrix products" if op in _MATMUL_OPS else "attention" if op in _ATTENTION_OPS
+            else "everything else")
+
+
+def _attribute(events, steps: int, cuda: bool) -> dict[str, float]:
+    """Seconds per step in each part from one profile's ``key_averages()``: operators' self CPU time on
+    a CPU, kernels' device time on a GPU (not the device-side spans of annotated ranges); "everything
+    else" is the step's wall time minus the two."""
+    from torch.autograd import DeviceType
+
+    out, wall, fused = dict.fromkeys(PARTS, 0.0), 0.0, 0.0
+    for ev in events:
+        if ev.key == _STEP:      # on a GPU the step's range also has a device-side twin: not a kernel
+            wall = ev.cpu_time_total / 1e6 / steps if ev.device_type == DeviceType.CPU else wall
+        elif cuda and ev.device_type == DeviceType.CUDA and not getattr(ev, "is_user_annotation", False):
+            out[part_of(ev.key, kernel=True)] += ev.self_device_time_total / 1e6 / steps
+            fused += ev.self_device_time_total / 1e6 / steps * ev.key.startswith("triton_")
+        elif not cuda and ev.device_type == DeviceType.CPU:
+            out[part_of(ev.key)] += ev.self_cpu_time_total / 1e6 / steps
+            fused += ev.self_cpu_time_total / 1e6 / steps * ev.key.startswith(_GENERATED)
+    named = out["matrix products"] + out["attention"]
+    out["everything else"] = max(wall - named, 0.0)
+    out.update(wall=max(wall, named), fused=fused)
+    return out
+
+
+def _unprofiled(dec, steps: int, last: int, cuda: bool) -> float:
+    """Seconds per step of the same loop without the profiler (its own events cost time)."""
+    start = time.perf_counter()
+    for _ in range(steps):
+        dec.cache.position.fill_(last)
+        dec.step(dec.ids)
+    if cuda:
+        torch.cuda.synchronize(dec.ids.device)
+    return (time.perf_counter() - start) / steps
+
+
+@torch.no_grad()
+def profile_compiled_step(dec, steps: int = 5, rounds: int = 3) -> dict[str, timing.Timing]:
+    """Seconds per step in each part of a compiled :class:`kvlab.static.StaticDecoder`'s decode step,
+    the profiled step's wall time, the part of it inside inductor's generated code ("fused") and the
+    same steps timed without the profiler ("unprofiled"): one sample per round of ``steps`` steps. Reuses the
+    decoder's compilation; every step writes the last slot of its cache (the position is put back
+    in place), so it runs as often as needed and reads all ``max_len`` slots like any other step."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    if not getattr(dec, "compiled", False) or not isinstance(dec.cache, static.StaticCache):
+        raise ValueError("profile_compiled_step needs a StaticDecoder with its own StaticCache, compiled "
+                         "and run once: StaticDecoder(model, max_len=...).compile(), then .generate(...)")
+    cuda, last = dec.ids.device.type == "cuda", dec.max_len - 1
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    samples = {p: [] for p in (*PARTS, "wall", "fused", "unprofiled")}
+    _unprofiled(dec, 1, last, cuda)                  # one step first: nothing one-off lands in a sample
+    for _ in range(rounds):
+        samples["unprofiled"].append(_unprofiled(dec, steps, last, cuda))
+        with floorbench._quiet_fd2(), profile(activities=acts) as prof:
+            for _ in range(steps):
+                dec.cache.position.fill_(last)
+                with record_function(_STEP):
+                    dec.step(dec.ids)
+                    if cuda:
+                        torch.cuda.synchronize(dec.ids.device)
+        for p, v in _attribute(prof.key_averages(), steps, cuda).items():
+            samples[p].append(v)
+    return {p: timing.Timing(p, s) for p, s in samples.items()}
+
+
+def part_floors(model, batch_size: int, max_len: int, bandwidth: float, flops: float) -> dict[str, float]:
+    """Floor of each part of a static-cache decode step (seconds): the larger of the bytes it must
+    read over ``bandwidth`` and its FLOPs over ``flops``. Matrix products: every matmul weight once,
+    the LM head included; attention: the static buffers' keys and values, all ``max_len`` slots;
+    everything else: the rest of the step's bytes (biases, norms, the embedding rows)."""
+    element = roofline.model_dtype(model).itemsize
+    mm = roofline.matmul_weights(model) * element
+    att = roofline.cache_read_bytes(model, batch_size, max_len)
+    rest = roofline.decode_step_bytes(model, batch_size, max_len) - mm - att
+    return {"matrix products": max(mm / bandwidth, roofline.step_flops(model, batch_size, batch_size, 0) / flops),
+            "attention": max(att / bandwidth, roofline.step_flops(model, 0, 0, batch_size * max_len) / flops),
+            "everything else": max(rest, 0) / bandwidth}
+
+
+def step_breakdown(r: dict, steps: int = 10, rounds: int = 5) -> list[dict]:
+    """Profile the compiled step of a row of :func:`measure` (its decoder, already compiled) and set
+    each part against its floor: one dict per part, with the profile's samples for the noise test."""
+    saved = torch.get_num_threads()
+    if r["device"] == "cpu":
+        torch.set_num_threads(r["threads"])      # the thread count the row was measured (and compiled) at
+    try:
+        prof, where = profile_compiled_step(r["decoder"], steps, rounds), device_name(torch.device(r["device"]))
+    finally:
+        torch.set_num_threads(saved)
+    out = []
+    for p in PARTS:
+        t, floor = prof[p], r["part_floors"][p]
+        out.append(dict(model=r["model"], threads=r["threads"], device=r["device"], part=p, seconds=t.median,
+                        floor=floor, wall=prof["wall"].median, unprofiled=prof["unprofiled"].median,
+                        fused=prof["fused"].median, where=where, timing=t, wall_timing=prof["wall"],
+                        unprofiled_timing=prof["unprofiled"], profiled=f"{rounds} x {steps} steps",
+                        max_len=r["decoder"].max_len,
+                        excess=timing.Timing(p, [s - floor for s in t.samples])))
+    return out
+
+
+def print_breakdown(parts: list[dict]) -> None:
+    """The profiled parts of a compiled step against their floors (:func:`kvlab.tables.show`). Each
+    part is the median over the profiled rounds; "share" is of the three medians' sum (medians do not
+    add up to the median wall time)."""
+    total = {m: sum(b["seconds"] for b in parts if b["model"] == m) for m in {b["model"] for b in parts}}
+    show([{"model": b["model"], "threads": b["threads"], "part": b["part"], "ms/step": f"{b['seconds'] * 1e3:.3f}",
+           "share": f"{b['seconds'] / total[b['model']]:.0%}" if total[b["model"]] else "-",
+           "floor ms": f"{b['floor'] * 1e3:.4f}",
+           "x floor": f"{b['seconds'] / b['floor']:.1f}x" if b["floor"] else "-",
+           "above floor ms": f"{(b['seconds'] - b['floor']) * 1e3:.3f}"} for b in parts],
+         caption=f"torch {torch.__version__} profiler, medians of " + "; ".join(dict.fromkeys(
+             f"{b['model']}: {b['profiled']}, max_len {b['max_len']}, {b['where']}" for b in parts)))
+
+
+def plot_breakdown(parts: list[dict], ax) -> None:
+    """Each part's profiled ms per step (bars) and its floor (black ticks), log scale."""
+    rows = [dict(b, per_token=b["seconds"], floor_per_token=b["floor"], what="compiled step, profiled")
+            for b in parts]
+    plots.bars_against_floor(ax, rows, lambda r: (r["model"], r["part"]), "what", ("compiled step, profiled",),
+                             lambda g: f"{g[0]}\n{g[1]}", "a compiled step's parts, against each one's floor")
+
+
+def breakdown_sentence(parts: list[dict]) -> str:
+    """Which part of the profiled compiled step is farthest above its floor (seconds above it), and
+    whether the noise test (:mod:`kvlab.verdicts`) tells it from the next one."""
+    b = parts[0]
+    if not any(x["seconds"] for x in parts if x["part"] != "everything else"):   # nothing was named
+        why = ("no kernel of the replayed CUDA graph was recorded" if b["device"] == "cuda" else
+               "their operators go by names this attribution does not know")
+        return (f"On {b['model']} ({b['where']}) the profiler named no matrix product and no attention in "
+                f"the compiled step ({why}), so its {b['wall'] * 1e3:.3f} ms are not split into parts here.")
+    first, second = sorted(parts, key=lambda b: -b["excess"].median)[:2]
+    b, nxt = first, second["excess"].median
+    told = nxt <= 0 < b["excess"].median or verdicts.told_apart(first["excess"], second["excess"])
+    return (f"On {b['model']} ({b['where']}), the part of the profiled compiled step farthest above its floor "
+            f"is {b['part']}: {b['seconds'] * 1e3:.3f} ms against a floor of {b['floor'] * 1e3:.4f} ms, "
+            f"{b['excess'].median * 1e3:.3f} ms of the {sum(x['excess'].median for x in parts) * 1e3:.3f} ms "
+            f"the three parts spend above theirs; "
+            + (f"the next, {second['part']}, is {nxt * 1e3:.3f} ms above its own." if told else
+               f"{second['part']} ({nxt * 1e3:.3f} ms above its floor) is not told apart from it by the "
+               "noise test (kvlab.verdicts)."))
+
+
+def profiler_sentence(parts: list[dict]) -> str:
+    """What the profile itself says about "everything else": how much of it the profiler's own events
+    cost (profiled against unprofiled steps) and how much ran inside inductor's generated code."""
+    b = parts[0]
+    cost = b["wall"] - b["unprofiled"]
+    gen = ("on a GPU, the device time of inductor's Triton kernels" if b["device"] == "cuda" else
+           "inside inductor's generated code (its fused C++ kernels and the Python that calls them)")
+    paid = (f"so about {cost * 1e3:.3f} ms of 'everything else' is the profiler's own cost"
+            if cost > 0 and verdicts.told_apart(b["wall_timing"], b["unprofiled_timing"]) else
+            "not told apart by the noise test (kvlab.verdicts): the profiler's own cost is within this "
+            "run's noise")
+    return (f"{b['model']}: the profiled step took {b['wall'] * 1e3:.3f} ms, the same steps without the "
+            f"profiler {b['unprofiled'] * 1e3:.3f} ms, {paid}; {b['fused'] * 1e3:.3f} ms of the step ran {gen}.")

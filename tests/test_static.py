@@ -101,12 +101,86 @@ def test_compiled_step_is_one_graph(ours, tiny):
     assert counter.frame_count == 1 and sum(counters["graph_break"].values()) == breaks
 
 
-def test_compiled_inductor_same_tokens(ours, tiny):
-    """The real thing, once: inductor's C++ backend (needs a C++ compiler), tokens equal to eager."""
+@pytest.fixture(scope="module")
+def inductor_dec(ours):
+    """One inductor compilation for the module's tests (compiling takes seconds)."""
     torch._dynamo.reset()
-    dec = StaticDecoder(ours, batch_size=1, max_len=32).compile()
+    return StaticDecoder(ours, batch_size=1, max_len=32).compile()
+
+
+def test_compiled_inductor_same_tokens(ours, tiny, inductor_dec):
+    """The real thing, once: inductor's C++ backend (needs a C++ compiler), tokens equal to eager."""
     ids = tiny[1]("The LORD is my shepherd", return_tensors="pt").input_ids
-    assert torch.equal(dec.generate(ids, 20), generate(ours, ids, 20))
+    assert torch.equal(inductor_dec.generate(ids, 20), generate(ours, ids, 20))
+
+
+def test_compiled_step_profile_attributes_the_parts(ours, tiny, inductor_dec):
+    """Chapter 8's profile of a compiled step: the library's matmuls and attention are found by name
+    in inductor's step, the parts add up to the profiled wall time, and the step still runs after."""
+    from kvlab import staticbench as sb
+
+    ids = tiny[1]("The LORD is my shepherd", return_tensors="pt").input_ids
+    inductor_dec.generate(ids, 4)
+    prof = sb.profile_compiled_step(inductor_dec, steps=3, rounds=2)
+    for i in range(2):
+        parts = {p: prof[p].samples[i] for p in sb.PARTS}
+        assert parts["matrix products"] > 0 and parts["attention"] > 0 and parts["everything else"] >= 0
+        assert sum(parts.values()) == pytest.approx(prof["wall"].samples[i], rel=1e-6)
+        assert 0 <= prof["fused"].samples[i] <= prof["wall"].samples[i]
+    # the profiler slows a step, but a profile 10x off the unprofiled step attributes something else
+    assert 0.1 < prof["wall"].median / prof["unprofiled"].median < 10
+    assert torch.equal(inductor_dec.generate(ids, 20), generate(ours, ids, 20))   # its state left sound
+    with pytest.raises(ValueError, match="compile"):
+        sb.profile_compiled_step(StaticDecoder(ours, max_len=16))
+
+
+def test_step_parts_by_name_and_device_time():
+    """Operator names (CPU) and GPU kernel names go to the right part; on a GPU the device time counts."""
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+
+    from kvlab import staticbench as sb
+
+    ops = {"aten::addmm": "matrix products", "aten::mm": "matrix products", "aten::bmm": "attention",
+           "aten::_scaled_dot_product_flash_attention_for_cpu": "attention", "aten::add": "everything else",
+           "## Call CompiledFxGraph abc": "everything else"}
+    kernels = {"ampere_sgemm_32x128_tn": "matrix products", "gemv2T_kernel_val<int, float>": "matrix products",
+               "fmha_cutlassF_f32_aligned_64x64_rf_sm80": "attention",
+               "void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits>": "attention",
+               "triton_red_fused__softmax_0": "attention",
+               "triton_poi_fused_add_native_layer_norm_1": "everything else"}
+    assert {k: sb.part_of(k) for k in ops} == ops
+    assert {k: sb.part_of(k, kernel=True) for k in kernels} == kernels
+    ev = lambda key, dev, self_us=0.0, total_us=0.0, note=False: SimpleNamespace(    # noqa: E731
+        key=key, device_type=dev, self_device_time_total=self_us, self_cpu_time_total=self_us,
+        cpu_time_total=total_us, is_user_annotation=note)
+    events = [ev(sb._STEP, DeviceType.CPU, 100.0, 1000.0), ev("aten::addmm", DeviceType.CPU, 300.0),
+              ev(sb._STEP, DeviceType.CUDA, 900.0, 0.0),     # the range's device-side annotation
+              ev("attention block", DeviceType.CUDA, 700.0, 0.0, True),   # a user's range, not a kernel
+              ev("ampere_sgemm_32x128_tn", DeviceType.CUDA, 400.0), ev("flash_fwd_kernel", DeviceType.CUDA, 200.0),
+              ev("triton_poi_fused_add_0", DeviceType.CUDA, 100.0)]
+    gpu = sb._attribute(events, steps=2, cuda=True)     # device time of the kernels, not the CPU's addmm
+    assert gpu == pytest.approx({"matrix products": 200e-6, "attention": 100e-6, "everything else": 200e-6,
+                                 "wall": 500e-6, "fused": 50e-6})
+    cpu = sb._attribute(events, steps=2, cuda=False)
+    assert cpu["matrix products"] == pytest.approx(150e-6) and cpu["attention"] == 0
+
+
+def test_part_floors_are_the_step_bytes(tiny):
+    """The three parts' floors split the static step's bytes: matmul weights (LM head once), the full
+    max_len buffers, and the rest; the FLOP term takes over when the rate is low."""
+    from kvlab import roofline
+    from kvlab import staticbench as sb
+
+    hf, C = tiny[0], tiny[0].config.n_embd
+    L, V, S = hf.config.n_layer, hf.config.vocab_size, 40
+    f = sb.part_floors(hf, 1, S, bandwidth=1.0, flops=1e30)
+    assert f["matrix products"] == (L * 12 * C * C + V * C) * 4
+    assert f["attention"] == 2 * L * S * C * 4
+    assert sum(f.values()) == roofline.decode_step_bytes(hf, 1, S)
+    slow = sb.part_floors(hf, 1, S, bandwidth=1e30, flops=1.0)
+    assert slow["matrix products"] == 2 * (L * 12 * C * C + V * C) and slow["attention"] == 4 * L * C * S
 
 
 def test_break_even_and_first_call():
@@ -144,3 +218,29 @@ def test_hf_compile_config_refuses_a_transformers_that_ignores_the_private_flag(
     assert not static.honours_compile_all_devices()           # the flag exists but is no longer read
     with pytest.raises(RuntimeError, match="transformers .* no longer reads"):
         static.hf_compile_config("cpu")
+
+
+def test_breakdown_sentence_is_computed_from_the_parts(capsys):
+    """The sentence names the part farthest above its floor, says when the noise test cannot tell it
+    from the next, and says so when the profiler named nothing (no split is invented)."""
+    from kvlab import staticbench as sb
+    from kvlab.timing import Timing
+
+    def parts(secs, spread=0.0):
+        out = []
+        for p, (t, floor) in zip(sb.PARTS, secs):
+            samples = [t * (1 - spread), t, t * (1 + spread)]
+            out.append(dict(model="m", threads=1, device="cpu", part=p, seconds=t, floor=floor, wall=3e-3,
+                            where="CPU x", profiled="3 x 5 steps", max_len=24,
+                            excess=Timing(p, [s - floor for s in samples])))
+        return out
+
+    attention_worst = parts([(1.0e-3, 0.9e-3), (1.5e-3, 0.1e-3), (0.5e-3, 0.0)])
+    s = sb.breakdown_sentence(attention_worst)
+    assert "farthest above its floor is attention" in s and "the next, everything else" in s
+    noisy = parts([(1.0e-3, 0.9e-3), (1.5e-3, 0.1e-3), (1.3e-3, 0.0)], spread=0.5)
+    assert "not told apart" in sb.breakdown_sentence(noisy)
+    blind = parts([(0.0, 0.9e-3), (0.0, 0.1e-3), (3e-3, 0.0)])
+    assert "named no matrix product" in sb.breakdown_sentence(blind)
+    sb.print_breakdown(attention_worst)
+    assert "above floor ms" in capsys.readouterr().out
