@@ -208,15 +208,6 @@ class AllocatorBlocks:
     def can_hold(self, seq: Sequence, upto: int) -> bool:
         return self.blocks_needed(seq, upto) <= self.num_free
 
-    def evict(self) -> int:
-        """Take the least recently used unreferenced cached block out of the cache: forget its key
-        first (it is about to hold other tokens) and return it."""
-        b, _ = self.cached.popitem(last=False)
-        del self.block_of[self.key_of[b]]
-        self.key_of[b] = None
-        self.evictions += 1
-        return b
-
     def allocate(self, seq: Sequence, upto: int) -> list[tuple[int, int]]:
         if seq.rid in self._room:
             return self.grow(seq, upto)
