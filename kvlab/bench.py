@@ -63,6 +63,14 @@ def run(model_name: str, new_tokens: int, prompt_len: int, repeats: int, threads
     print(f"all {len(runs)} generators give identical tokens ({new_tokens} new, prompt {prompt_len})")
 
     res = timing.compare(runs, warmup=0, repeats=repeats)   # the correctness pass above was the warm-up
+    out = _print_results(res, hf, device, prompt_len, new_tokens)
+    _print_compile_times(first_call, res, new_tokens)
+    return out
+
+
+def _print_results(res, hf, device, prompt_len: int, new_tokens: int) -> dict[str, float]:
+    """One line per generator: median, tokens/s, speed vs transformers, multiple of the floor, achieved
+    GB/s and its share of the read probe. Returns the speed ratios."""
     floor, probe = _floor(hf, device, prompt_len, new_tokens)
     base = res["transformers generate (DynamicCache)"]
     print(f"\n{'generator':46s} {'median s':>9s} {'tokens/s':>9s} {'speed vs transformers':>22s} {'x floor':>8s} "
@@ -73,7 +81,6 @@ def run(model_name: str, new_tokens: int, prompt_len: int, repeats: int, threads
         gbps = roofline.achieved_bandwidth(hf, 1, prompt_len, new_tokens, t.median)
         print(f"{name:46s} {t.median:9.3f} {new_tokens / t.median:9.1f} {out[name]:21.2f}x "
               f"{t.median / floor:7.1f}x {gbps / 1e9:6.2f} GB/s {gbps / probe:7.0%}   (spread {t.spread:.0%})")
-    _print_compile_times(first_call, res, new_tokens)
     return out
 
 

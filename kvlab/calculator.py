@@ -120,17 +120,45 @@ def plot_calculator(result: dict, ax, title: str = "") -> None:
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))
 
 
+def _chart_png(r: dict, title: str) -> bytes:
+    """The calculator's bar chart as PNG bytes, rendered off-screen (never ``plt.show()`` inside an
+    Output widget: captured display messages once left a headless run waiting for a finished kernel)."""
+    import io
+
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(5, 3))
+    plot_calculator(r, fig.add_subplot(), title=title)
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=90)
+    return buf.getvalue()
+
+
+def _with_fallback(w, text, image):
+    """A ``VBox`` class whose page rendering, where no widget manager runs (the built book, nbviewer,
+    GitHub), is a static fallback: the current numbers and chart."""
+    import base64
+
+    class Calculator(w.VBox):
+        def _repr_mimebundle_(self, **kwargs):
+            bundle = super()._repr_mimebundle_(**kwargs)
+            png = base64.b64encode(image.value).decode()
+            bundle["text/html"] = (f'<div class="kvlab-widget-fallback">{text.value}'
+                                   f'<img alt="KV cache and weights against GPU memory" '
+                                   f'src="data:image/png;base64,{png}"/></div>')
+            return bundle
+
+    return Calculator
+
+
 def calculator_widget(configs: dict, default: str | None = None):
     """An ipywidgets calculator over ``configs`` (name -> config): model, context, batch, dtype.
 
     Returns the widget box (display it in a live notebook). The logic lives in :func:`calculator`;
     where no widget manager runs (the built book) it displays as its static numbers and chart.
     """
-    import base64
-    import io
-
     import ipywidgets as w
-    from matplotlib.figure import Figure
 
     names = list(configs)
     model = w.Dropdown(options=names, value=default or names[0], description="model")
@@ -149,29 +177,9 @@ def calculator_widget(configs: dict, default: str | None = None):
         box.result = r
         text.value = "<pre>" + html.escape(calculator_text(model.value, ctx.value, batch.value,
                                                            dtype.value, r)) + "</pre>"
-        # Render off-screen into the Image widget rather than plt.show() inside an Output widget:
-        # no display messages are captured mid-execution, which kept headless runs (nbclient) from
-        # occasionally waiting forever for a kernel that had already finished.
-        fig = Figure(figsize=(5, 3))
-        ax = fig.add_subplot()
-        plot_calculator(r, ax, title=f"{model.value}, {ctx.value:,} tokens x {batch.value}")
-        fig.tight_layout()
-        buf = io.BytesIO()
-        fig.savefig(buf, format="png", dpi=90)
-        image.value = buf.getvalue()
+        image.value = _chart_png(r, f"{model.value}, {ctx.value:,} tokens x {batch.value}")
 
-    class Calculator(w.VBox):
-        def _repr_mimebundle_(self, **kwargs):
-            # A live notebook renders the widget; a page without a widget manager (the built book,
-            # nbviewer, GitHub) shows this static fallback: the current numbers and chart.
-            bundle = super()._repr_mimebundle_(**kwargs)
-            png = base64.b64encode(image.value).decode()
-            bundle["text/html"] = (f'<div class="kvlab-widget-fallback">{text.value}'
-                                   f'<img alt="KV cache and weights against GPU memory" '
-                                   f'src="data:image/png;base64,{png}"/></div>')
-            return bundle
-
-    box = Calculator([w.HBox([model, dtype]), w.HBox([ctx, batch]), text, image])
+    box = _with_fallback(w, text, image)([w.HBox([model, dtype]), w.HBox([ctx, batch]), text, image])
     box.text, box.image, box.redraw = text, image, redraw   # handles for tests and for a manual refresh
     for control in (model, ctx, batch, dtype):
         control.observe(redraw, names="value")
