@@ -322,7 +322,7 @@ WRONG_ALLOCATORS = [
     (NoErrorWhenFull, ["must raise"]),
     (NotAtomic, ["before taking any"]),
     (WrongOffset, ["offset"]),
-    (AliasedTable, ["own list", "copy"]),
+    (AliasedTable, ["own list", "copy", "changed from ["]),
     (AliasedAllocate, ["own list", "copy"]),
     (DropsRefBeforeCopy, ["raised (good)", "refcount"]),
     (BumpsLengthFirst, ["offset"]),

@@ -108,8 +108,9 @@ class _Shadow:
         returned.append(-7)
         returned[0] = -7
         if self.table(s) != before:
-            raise self.fail(f"{what} returned the allocator's own list: the caller appended to it and "
-                            f"block_table({s!r}) changed to {self.table(s)}; return a copy (list(table))")
+            raise self.fail(f"{what} returned the allocator's own list: the caller set its first entry to -7 and "
+                            f"appended -7, and block_table({s!r}) changed from {before} to {self.table(s)}; return a "
+                            "copy (list(table))")
 
     def users(self, block, but=None) -> list:
         return [s for s, t in self.tables.items() if block in t and s != but]
