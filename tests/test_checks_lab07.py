@@ -311,6 +311,13 @@ def _weights_vs_compute(model, B, S, bw, fl):      # compares compute with the w
     return bound, closed_form(model, B, S, bw, fl)[1]
 
 
+def _no_none_test(model, B, S, bw, fl):
+    """The closed form without deciding 'never' first: a negative batch where none exists."""
+    one, two = right(model, 1, S), right(model, 2, S)
+    row, shared, f = two - one, 2 * one - two, decode_step_flops(model, 1, S)
+    return _bound(model, B, S, bw, fl), math.ceil(shared / bw / (f / fl - row / bw))
+
+
 WRONG_CRIT = {
     "critical batch at zero context": (_at_zero, ["ZERO context"]),
     "every byte shared by the batch": (_all_shared, ["every byte", "own cache"]),
@@ -319,6 +326,7 @@ WRONG_CRIT = {
     "a number where there is none": (_never_none, ["NO batch is compute-bound", "None"]),
     "'memory' for a bound": (_memory, ["'weights' or 'cache'"]),
     "compute against the weights alone": (_weights_vs_compute, ["ALL the bytes"]),
+    "the linear solve without the None test": (_no_none_test, ["a batch below 1", "NO batch is compute-bound"]),
     "a float batch": (lambda *a: (closed_form(*a)[0], float(closed_form(*a)[1] or 1)), ["positive int or None"]),
     "not a pair": (lambda *a: closed_form(*a)[1], ["pair (bound, critical_batch)"]),
     "the library called": (lambda m, B, S, bw, fl: (_bound(m, B, S, bw, fl), roofline.critical_batch(m, S, bw, fl)),
@@ -391,6 +399,7 @@ WRONG_FIT = {
     "axes swapped": (lambda f, m: fit(m, f), ["against the measurement"]),
     "mean ratio": (lambda f, m: (0.0, sum(b / a for a, b in zip(f, m)) / len(f)), ["averaged measured / floor"]),
     "not a pair": (lambda f, m: fit(f, m)[1], ["pair of numbers"]),
+    "np.polyfit's order kept (k, overhead)": (lambda f, m: tuple(np.polyfit(f, m, 1)), ["you returned (k, overhead)"]),
     "in-place sort changes the input order": (lambda f, m: fit(sorted(f), m), ["least-squares line"]),
 }
 

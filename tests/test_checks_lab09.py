@@ -322,7 +322,7 @@ WRONG_ALLOCATORS = [
     (NoErrorWhenFull, ["must raise"]),
     (NotAtomic, ["before taking any"]),
     (WrongOffset, ["offset"]),
-    (AliasedTable, ["own list", "copy"]),
+    (AliasedTable, ["own list", "copy", "changed from ["]),
     (AliasedAllocate, ["own list", "copy"]),
     (DropsRefBeforeCopy, ["raised (good)", "refcount"]),
     (BumpsLengthFirst, ["offset"]),
@@ -374,6 +374,17 @@ WRONG_GATHERS = [
 @pytest.mark.parametrize("impl,needles", WRONG_GATHERS, ids=[f"gather{i}" for i in range(len(WRONG_GATHERS))])
 def test_wrong_gathers_rejected(impl, needles):
     expect_rejected(check_paged_gather, impl, *needles)
+
+
+def _tuple_indexing(pool, block_table, seq_len):
+    """Right for a list; pool[tuple] indexes several dimensions (raises for (4, 2, 0))."""
+    blocks = pool[block_table]
+    nb, H, bs, D = blocks.shape
+    return blocks.permute(1, 0, 2, 3).reshape(H, nb * bs, D)[:, :seq_len]
+
+
+def test_tuple_used_as_an_index_is_named():
+    expect_rejected(check_paged_gather, _tuple_indexing, "as a tuple", "list(block_table)")
 
 
 def test_gather_exceptions_are_wrapped():

@@ -97,6 +97,8 @@ def _variant(**changes):
                     break
                 start = self.cached_tokens(seq)
                 n = seq.num_tokens - start if changes.get("past_budget") else min(seq.num_tokens - start, left)
+                if changes.get("cached_counted_twice"):
+                    n = min(seq.num_tokens, left)          # the cached tokens counted in n too
                 if changes.get("no_chunks") and n < seq.num_tokens - start:
                     break
                 if not self.blocks.can_hold(seq, start + n):
@@ -114,11 +116,12 @@ WRONG = [
     (_variant(skip_prefilling=True), ["starve a running request"]),
     (_variant(shortest_first=True), ["first come, first served"]),
     (_variant(no_chunks=True), ["left waiting", "chunks"]),
+    (_variant(cached_counted_twice=True), ["left waiting", "from the prefix cache", "beyond cached_tokens"]),
 ]
 
 
 @pytest.mark.parametrize("impl,needles", WRONG, ids=["past-budget", "oldest-victim", "lost-tokens", "starves",
-                                                      "overtakes", "no-chunks"])
+                                                      "overtakes", "no-chunks", "cached-twice"])
 def test_wrong_schedulers_rejected(impl, needles):
     expect_rejected(check_scheduler, impl, *needles)
 

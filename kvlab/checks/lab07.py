@@ -505,6 +505,11 @@ def _check_pair(c, out):
     if bound not in BOUNDS:
         hint = " (name WHICH memory term: 'weights' or 'cache')" if str(bound).lower() in ("memory", "bytes") else ""
         raise fail(NAME_CRIT, f"{c['label']}: the bound must be one of {BOUNDS}, got {bound!r}{hint}")
+    if isinstance(crit, numbers.Real) and not isinstance(crit, bool) and crit < 1 and c["crit"] is None:
+        raise fail(NAME_CRIT, f"{c['label']}: you returned {crit!r}, a batch below 1: at this context each added row "
+                              "brings more bytes (its cache) than its FLOPs can cover at this machine's rates, so "
+                              "the linear solve has no positive answer and NO batch is compute-bound: check the "
+                              "per-row terms first and return None")
     if crit is not None and (isinstance(crit, bool) or not isinstance(crit, numbers.Integral) or crit < 1):
         raise fail(NAME_CRIT, f"{c['label']}: the critical batch must be a positive int or None, got {crit!r}")
     return bound, None if crit is None else int(crit)
@@ -612,6 +617,9 @@ _FIT_MISTAKES = [
      "launches) is what the intercept measures; fit measured = overhead + k x floor"),
     ("swapped", lambda c: _lstsq(c[1], c[0]),
      "you fitted the floor against the measurement: fit measured (y) against the floor (x)"),
+    ("pair reversed", lambda c: _lstsq(c[0], c[1])[::-1],
+     "you returned (k, overhead): the pair is (overhead_seconds, k), intercept first (np.polyfit returns the "
+     "slope first)"),
     ("ratio", lambda c: (0.0, sum(m / f for f, m in zip(c[0], c[1])) / len(c[0])),
      "you averaged measured / floor: that mixes the fixed overhead into k; fit a line with an intercept"),
 ]

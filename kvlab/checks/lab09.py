@@ -108,8 +108,9 @@ class _Shadow:
         returned.append(-7)
         returned[0] = -7
         if self.table(s) != before:
-            raise self.fail(f"{what} returned the allocator's own list: the caller appended to it and "
-                            f"block_table({s!r}) changed to {self.table(s)}; return a copy (list(table))")
+            raise self.fail(f"{what} returned the allocator's own list: the caller set its first entry to -7 and "
+                            f"appended -7, and block_table({s!r}) changed from {before} to {self.table(s)}; return a "
+                            "copy (list(table))")
 
     def users(self, block, but=None) -> list:
         return [s for s, t in self.tables.items() if block in t and s != but]
@@ -313,6 +314,28 @@ _GATHER_CASES = [
 ]
 
 
+def _gathered_right(out, pool, table, n) -> bool:
+    want = pool[list(table)].permute(1, 0, 2, 3).reshape(pool.shape[1], -1, pool.shape[3])[:, :n]
+    return isinstance(out, torch.Tensor) and out.shape == want.shape and out.dtype == want.dtype \
+        and torch.equal(out, want)
+
+
+def _tuple_as_index(paged_gather, pool, table, n, where, what) -> None:
+    """A tuple table that fails where the same table as a list is right: pool[tuple] indexes one
+    dimension per element (pool[(4, 2, 0)] is pool[4, 2, 0]), not a list of blocks."""
+    if not isinstance(table, tuple):
+        return
+    try:
+        right = _gathered_right(paged_gather(pool.clone(), list(table), n), pool, table, n)
+    except Exception:  # noqa: BLE001
+        return
+    if right:
+        raise fail(NAME_GATHER, f"{where}: with the table as a tuple your paged_gather {what}; with the same "
+                                f"table as a list it is right. pool[{table!r}] indexes one dimension per "
+                                f"element (pool[4, 2, 0]), not a list of blocks: index with list(block_table) "
+                                "or a LongTensor")
+
+
 def check_paged_gather(paged_gather) -> None:
     """Grade ``paged_gather(pool, block_table, seq_len) -> [heads, seq_len, head_dim]``."""
     from ..paged import paged_gather as library
@@ -328,7 +351,10 @@ def check_paged_gather(paged_gather) -> None:
         try:
             out = paged_gather(pool, table, n)
         except Exception as e:  # noqa: BLE001
+            _tuple_as_index(paged_gather, pool, table, n, where, f"raised {type(e).__name__}: {e}")
             raise fail(NAME_GATHER, f"{where}: paged_gather raised {type(e).__name__}: {e}") from e
+        if isinstance(table, tuple) and not _gathered_right(out, pool, table, n):
+            _tuple_as_index(paged_gather, pool, table, n, where, "gave wrong values")
         if not torch.equal(pool, saved):
             raise fail(NAME_GATHER, f"{where}: paged_gather modified the pool; only read it")
         _check_gathered(out, pool, table, n, where, paged_gather)

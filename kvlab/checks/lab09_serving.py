@@ -146,7 +146,15 @@ def _verify_fairness(sch, snap, batch, where, total) -> None:
     if sch.waiting and not batch.preempted and room and len(sch.running) < sch.max_seqs:
         w = sch.waiting[0]
         n = min(w.num_tokens - sch.cached_tokens(w), sch.max_tokens - total)
-        if w in snap["waiting"] and sch.blocks.can_hold(w, sch.cached_tokens(w) + n):
+        c = sch.cached_tokens(w)
+        if w in snap["waiting"] and sch.blocks.can_hold(w, c + n):
+            whole = min(w.num_tokens, sch.max_tokens - total)          # n with the cached tokens counted again
+            if c and whole > n and not sch.blocks.can_hold(w, c + whole):
+                raise fail(NAME_SCHED, f"{where}: request {w.rid} was left waiting although {n} of its tokens fit the "
+                                       f"step and the pool: {c} of its tokens come from the prefix cache (a preempted "
+                                       "request finds its own blocks there), so n = min(its tokens beyond "
+                                       f"cached_tokens, budget left) = {n} and can_hold's upto is {c} + n; counting "
+                                       "the cached tokens in n as well asks the pool for room it does not need")
             raise fail(NAME_SCHED, f"{where}: request {w.rid} was left waiting although {n} of its tokens fit the step "
                                    "and the pool: admit it (a prompt longer than the budget runs in chunks), or it may "
                                    "wait forever")
