@@ -268,6 +268,8 @@ class PagedKVCache(Cache):
 
     def __init__(self, n_layer: int, n_head: int, head_dim: int, num_blocks: int, block_size: int,
                  dtype=torch.float32, device="cpu", allocator_cls=BlockAllocator, gather=None):
+        _count(num_blocks, "num_blocks (blocks in the pool)", minimum=1)     # before allocating the pools
+        _count(block_size, "block_size (token slots per block)", minimum=1)
         shape = (n_layer, num_blocks, n_head, block_size, head_dim)
         self.keys = torch.zeros(shape, dtype=dtype, device=device)
         self.values = torch.zeros(shape, dtype=dtype, device=device)
@@ -288,11 +290,14 @@ class PagedKVCache(Cache):
 
     def reserve(self, seq_id, n: int) -> list[tuple[int, int]]:
         """``(block, offset)`` slots for ``n`` more tokens of ``seq_id`` (a new sequence is allocated);
-        copies the contents of any shared block that had to be replaced, in every layer."""
+        copies the contents of any shared block that had to be replaced, in every layer. All or
+        nothing: a request the free blocks cannot hold raises before anything changes."""
+        n = _count(n, "n (tokens to reserve)")
         if seq_id not in self.lengths:
             table = self.allocator.allocate(seq_id, n)
             self.lengths[seq_id] = n
             return [(table[p // self.block_size], p % self.block_size) for p in range(n)]
+        self._check_room(seq_id, n)
         slots = []
         for _ in range(n):
             block, offset, copy_from = self.allocator.append_slot(seq_id)
@@ -303,6 +308,17 @@ class PagedKVCache(Cache):
             slots.append((block, offset))
         self.lengths[seq_id] += n
         return slots
+
+    def _check_room(self, seq_id, n: int) -> None:
+        """Raise :class:`OutOfBlocks` unless the free list holds every block ``n`` more tokens of
+        ``seq_id`` need (new blocks, plus a copy of a shared, partly filled last block)."""
+        held, table = self.lengths[seq_id], self.allocator.block_table(seq_id)
+        shared_tail = n > 0 and held % self.block_size != 0 and self.allocator.refcount(table[-1]) > 1
+        need = max(0, blocks_for(held + n, self.block_size) - len(table)) + int(shared_tail)
+        if need > self.num_free:
+            raise OutOfBlocks(f"sequence {seq_id!r} needs {need} more block(s) for {n} token(s) but only "
+                              f"{self.num_free} of {self.num_blocks} are free: nothing was reserved; free "
+                              "or preempt a sequence first")
 
     def fork(self, parent_id, child_id) -> None:
         self.allocator.fork(parent_id, child_id)

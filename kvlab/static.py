@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from .cache import EMPTY, Cache
-from .generate import check_inputs
+from .generate import check_inputs, check_max_len
 
 
 class StaticCache(Cache):
@@ -84,9 +84,18 @@ class StaticCache(Cache):
         if T > self.max_len:
             raise ValueError(f"{T} new tokens do not fit a cache of max_len={self.max_len}")
         # Where the new tokens go, as a tensor: reading the position back as an int would break the
-        # graph. (A write past max_len cannot be checked here without that read: the decoder checks it.)
+        # graph. A write past max_len is refused by index_copy_ before it writes anything; eagerly we
+        # say so in the cache's terms (the compiled decoder checks the whole run's length up front).
         slots = start + torch.arange(T, device=k.device)
-        self.keys[layer].index_copy_(2, slots, k)
+        if torch.compiler.is_compiling():
+            self.keys[layer].index_copy_(2, slots, k)
+        else:
+            try:
+                self.keys[layer].index_copy_(2, slots, k)
+            except IndexError:
+                raise ValueError(f"cannot write {T} token(s) at slot {int(start)}: past the static cache's "
+                                 f"max_len of {self.max_len}; make the cache with a larger max_len or "
+                                 "reset() it") from None
         self.values[layer].index_copy_(2, slots, v)
         if layer == 0:
             self.slot_pos.index_copy_(1, slots, positions.expand(self.batch_size, T))
@@ -227,10 +236,7 @@ class StaticDecoder:
                  attention_fn: Callable | None = None):
         cfg, p = model.config, model.wte.weight
         self.batch_size = batch_size
-        self.max_len = max_len or cfg.n_positions
-        if self.max_len > cfg.n_positions:
-            raise ValueError(f"max_len={self.max_len} exceeds GPT-2's context of "
-                             f"n_positions={cfg.n_positions}")
+        self.max_len = check_max_len(max_len, cfg.n_positions)   # 0 is an error, not "the whole context"
         sizes = (cfg.n_layer, batch_size, cfg.n_head, cfg.head_dim, self.max_len, p.dtype, p.device)
         if cache_cls is None or cache_cls is StaticCache:
             self.cache = StaticCache(*sizes)

@@ -411,3 +411,57 @@ def test_calculator_refuses_what_it_would_coerce():
     raises(ValueError, lambda: calculator.calculator("gpt3", 10, 1, "fp16"), "all_models()")
     raises(ValueError, lambda: calculator.human_bytes("5"), "number of bytes")
     assert calculator.calculator("gpt2", 10, 1, "fp16") == calculator.calculator(cfg, 10, 1, "fp16")
+
+
+# ---- the caches' own boundaries (paged reserve, static decoder and buffer) -------------------------
+
+def _paged_state(c: paged.PagedKVCache):
+    return dict(c.lengths), c.num_free, {s: c.allocator.block_table(s) for s in c.lengths}, c.copies
+
+
+def test_paged_reserve_is_all_or_nothing():
+    c = paged.PagedKVCache(1, 1, 2, num_blocks=3, block_size=2)
+    c.reserve("a", 2)
+    before = _paged_state(c)
+    raises(ValueError, lambda: c.reserve("a", -3), "n (tokens to reserve)", ">= 0")
+    raises(ValueError, lambda: c.reserve("a", True), "n (tokens to reserve)")
+    assert _paged_state(c) == before
+    raises(paged.OutOfBlocks, lambda: c.reserve("a", 10), "nothing was reserved", "free or preempt")
+    assert _paged_state(c) == before                  # no length advanced, no block taken
+    c.reserve("a", 4)                                 # exactly what the pool can still hold
+    assert c.lengths["a"] == 6 and c.num_free == 0
+
+
+def test_paged_reserve_counts_the_copy_of_a_shared_tail():
+    c = paged.PagedKVCache(1, 1, 2, num_blocks=2, block_size=4)
+    c.reserve("a", 3)
+    c.fork("a", "b")
+    c.fork("a", "c")                                  # block 0 shared three ways, partly filled
+    c.reserve("b", 1)                                 # b's copy takes the last free block
+    before = _paged_state(c)                          # block 0 still shared by a and c: a write copies
+    raises(paged.OutOfBlocks, lambda: c.reserve("a", 1), "nothing was reserved")
+    assert _paged_state(c) == before
+
+
+def test_paged_pool_sizes_checked_before_allocating():
+    raises(ValueError, lambda: paged.PagedKVCache(1, 1, 2, num_blocks=3, block_size=0), "block_size", ">= 1")
+    raises(ValueError, lambda: paged.PagedKVCache(1, 1, 2, num_blocks=0, block_size=2), "num_blocks", ">= 1")
+
+
+def test_static_decoder_max_len_zero_is_refused(tiny):
+    from kvlab import static
+
+    ours = gpt2.GPT2.from_hf(tiny[0])
+    raises(ValueError, lambda: static.StaticDecoder(ours, max_len=0), "max_len must be an int >= 1")
+    assert static.StaticDecoder(ours, max_len=None).max_len == ours.config.n_positions
+
+
+def test_static_cache_write_past_max_len_names_the_fix():
+    from kvlab import static
+
+    cache = static.StaticCache(1, 1, 2, 4, 4)
+    k = torch.zeros(1, 2, 1, 4)
+    for _ in range(4):
+        cache.update(0, k, k)
+    raises(ValueError, lambda: cache.update(0, k, k), "past the static cache's max_len of 4", "reset()")
+    assert cache.seq_len == 4
