@@ -53,6 +53,15 @@ def _count(value, what: str, minimum: int = 0) -> int:
     return n
 
 
+def blocks_to_grow(allocator, seq_id, held: int, upto: int, bs: int) -> int:
+    """Blocks an allocator (lab 9's contract: ``block_table``, ``refcount``) of blocks of ``bs`` slots
+    must hand out for ``seq_id`` to grow from ``held`` tokens to ``upto``: new blocks, plus one to copy
+    a shared, partly filled last block into (copy-on-write)."""
+    table = allocator.block_table(seq_id)
+    shared_tail = upto > held and held % bs != 0 and allocator.refcount(table[-1]) > 1
+    return max(0, blocks_for(upto, bs) - len(table)) + int(shared_tail)
+
+
 class BlockAllocator:
     """Hands out blocks of a pool to sequences; counts references; copies on write.
 
@@ -311,10 +320,9 @@ class PagedKVCache(Cache):
 
     def _check_room(self, seq_id, n: int) -> None:
         """Raise :class:`OutOfBlocks` unless the free list holds every block ``n`` more tokens of
-        ``seq_id`` need (new blocks, plus a copy of a shared, partly filled last block)."""
-        held, table = self.lengths[seq_id], self.allocator.block_table(seq_id)
-        shared_tail = n > 0 and held % self.block_size != 0 and self.allocator.refcount(table[-1]) > 1
-        need = max(0, blocks_for(held + n, self.block_size) - len(table)) + int(shared_tail)
+        ``seq_id`` need (:func:`blocks_to_grow`)."""
+        held = self.lengths[seq_id]
+        need = blocks_to_grow(self.allocator, seq_id, held, held + n, self.block_size)
         if need > self.num_free:
             raise OutOfBlocks(f"sequence {seq_id!r} needs {need} more block(s) for {n} token(s) but only "
                               f"{self.num_free} of {self.num_blocks} are free: nothing was reserved; free "

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections import OrderedDict, deque
 
-from ..paged import OutOfBlocks, blocks_for
+from ..paged import OutOfBlocks, blocks_for, blocks_to_grow
 from .sequence import Sequence
 
 
@@ -201,9 +201,7 @@ class AllocatorBlocks:
         room = self._room.get(seq.rid)
         if room is None:
             return blocks_for(upto, self.block_size)
-        table = list(self.a.block_table(seq.rid))
-        shared_tail = room % self.block_size != 0 and upto > room and self.a.refcount(table[-1]) > 1
-        return max(0, blocks_for(upto, self.block_size) - len(table)) + shared_tail
+        return blocks_to_grow(self.a, seq.rid, room, upto, self.block_size)
 
     def can_hold(self, seq: Sequence, upto: int) -> bool:
         return self.blocks_needed(seq, upto) <= self.num_free
