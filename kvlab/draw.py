@@ -17,7 +17,6 @@ import math
 from dataclasses import dataclass
 
 import torch
-from matplotlib.colors import ListedColormap
 from matplotlib.figure import Figure
 from matplotlib.patches import FancyArrowPatch, Rectangle
 

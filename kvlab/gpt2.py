@@ -34,7 +34,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .cache import EMPTY, PastLenCache, PreallocatedCache, as_cache, visible
-from .generate import check_inputs
+from .validate import check_inputs
 
 
 @dataclass

@@ -42,12 +42,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from .progress import bar as tqdm   # no frozen bar in a page built unwatched
+from . import progress
 
-from . import floorbench, gpt2, harness, models, staticbench, timing
+from . import gpt2, harness, loading, paths, provenance, rooflinebench, staticbench, timing
 from .cli import at_least, check_writable, positive_seconds
 from .batching import generate_batch
-from .generate import cached_generate, hf_greedy, naive_generate
+from .reference import cached_generate, hf_greedy, naive_generate
+from . import probes, roofline
+from .static import StaticDecoder
+from . import __version__
+from . import results
 
 SCHEMA = 1
 SECTIONS = ("speedup", "per_position", "ours_vs_transformers", "batch_throughput", "floor", "compiled")
@@ -112,7 +116,7 @@ class Run:
     def model(self, name: str):
         """``(hf_model, hand_built_gpt2)`` for ``name``, loaded once, on the run's device."""
         if name not in self._models:
-            hf, _ = models.load(name, device=self.device)
+            hf, _ = loading.load(name, device=self.device)
             self._models[name] = (hf, gpt2.GPT2.from_hf(hf).to(self.device).eval())
         return self._models[name]
 
@@ -141,7 +145,7 @@ class Run:
         N, later positions, bigger batches), so a point costs at least what the one before it did:
         one that would end past the deadline on that estimate is not started."""
         items, last = list(items), 0.0
-        for i, item in enumerate(tqdm(items, desc=desc, leave=False)):
+        for i, item in enumerate(progress.bar(items, desc=desc, leave=False)):
             if i > 0 and time.perf_counter() + last > (self.model_deadline or self.deadline):
                 self.truncated = True
                 return
@@ -197,7 +201,7 @@ def per_position(run: Run) -> dict:
         ids = run.prompt(name, hf.config.n_positions)
         for p in run.points(_fit(hf, run.device, run.plan["positions"], 256), f"per position {name}"):
             t = run.compare({"naive": _naive_step(hf, ids[:, :p + 1]),
-                             "cached": floorbench.step_fn(hf, 1, p)})     # chapter 7's step, rewound
+                             "cached": rooflinebench.step_fn(hf, 1, p)})     # chapter 7's step, rewound
             rows.append(dict(model=name, position=p, naive_ms=_num(t["naive"].median * 1e3),
                              cached_ms=_num(t["cached"].median * 1e3),
                              ratio=_num(timing.ratio(t["naive"], t["cached"]), 4)))
@@ -266,7 +270,6 @@ def _our_step(ours, ids: torch.Tensor, seq_len: int):
 @torch.no_grad()
 def floor(run: Run) -> dict:
     """Chapter 7: each decode step's time against its floor from measured bandwidth and FLOP/s."""
-    from . import probes, roofline
 
     dtype = next(run.model(run.plan["models"][0])[1].parameters()).dtype
     probe = run.plan.get("probe", {})              # fewer repeats and a smaller matmul in quick mode
@@ -293,7 +296,6 @@ def floor(run: Run) -> dict:
 
 def _floor_grid(run: Run, ours) -> list[tuple[int, int]]:
     """(batch, positions) points of the floor section that fit this device's budget."""
-    from . import probes, roofline
 
     cache_limit = 16 * 2**30 if run.device.type == "cuda" else 2**30     # skip what would not fit well
     ctx, big_on_cpu = ours.config.n_positions, run.device.type == "cpu" and ours.config.n_embd > 512
@@ -303,7 +305,6 @@ def _floor_grid(run: Run, ours) -> list[tuple[int, int]]:
 
 def compiled(run: Run) -> dict:
     """Chapter 8: the hand-built GPT-2 eager, with a static cache, and with its decode step compiled."""
-    from .static import StaticDecoder
 
     backend = run.plan["compile_backend"]
     mode = "reduce-overhead" if run.device.type == "cuda" and backend == "inductor" else "default"
@@ -341,10 +342,10 @@ def _git_commit() -> dict:
     env = os.environ.get("KVLAB_COMMIT", "").strip()
     if env:
         return dict(commit=env, source="KVLAB_COMMIT")
-    if not (models.REPO_ROOT / ".git").exists():
+    if not (paths.REPO_ROOT / ".git").exists():
         return dict(commit="unknown", source="no .git and no KVLAB_COMMIT")
     try:
-        git = ["git", "-C", str(models.REPO_ROOT)]
+        git = ["git", "-C", str(paths.REPO_ROOT)]
         commit = subprocess.run(git + ["rev-parse", "HEAD"], capture_output=True, text=True,
                                 timeout=10, check=True).stdout.strip()
         dirty = subprocess.run(git + ["status", "--porcelain", "--untracked-files=no"],
@@ -383,7 +384,7 @@ def _nvidia_driver() -> str | None:
 
 def device_info(device: torch.device) -> dict:
     """What the numbers were measured on: the device's name and memory, the host, the drivers."""
-    info = dict(device=str(device), name=models.device_name(device).split(" (")[0],
+    info = dict(device=str(device), name=provenance.device_name(device).split(" (")[0],
                 host_memory_bytes=_memory_bytes(), cpu_cores=os.cpu_count(),
                 torch_threads=torch.get_num_threads(), platform=platform.platform(),
                 load_average_start=_load_average())
@@ -397,11 +398,10 @@ def device_info(device: torch.device) -> dict:
     return info
 
 
-def provenance(device: torch.device, run: Run | None = None) -> dict:
+def run_provenance(device: torch.device, run: Run | None = None) -> dict:
     import numpy
     import transformers
 
-    from . import __version__
 
     loaded = run._models if run else {}
     return dict(
@@ -410,7 +410,7 @@ def provenance(device: torch.device, run: Run | None = None) -> dict:
                       python=platform.python_version(), numpy=numpy.__version__, kvlab=__version__),
         git=_git_commit(),
         date=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        models={name: dict(kind=hf.kvlab_kind, description=models.describe(hf))
+        models={name: dict(kind=hf.kvlab_kind, description=provenance.describe(hf))
                 for name, (hf, _) in loaded.items()},
         env={k: os.environ.get(k) for k in ("KVLAB_QUICK", "KVLAB_THREADS", "OMP_WAIT_POLICY")},
         command=" ".join(["python -m kvlab.report", *sys.argv[1:]]) if sys.argv else "",
@@ -449,7 +449,7 @@ def run(device=None, quick: bool | None = None, budget: float | None = None,
     device call's time limit) still leaves every finished section on disk.
     """
     quick = timing.QUICK if quick is None else quick
-    device = torch.device(device) if device is not None else models.pick_device()
+    device = torch.device(device) if device is not None else loading.pick_device()
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda asked for, but torch sees no CUDA GPU here; "
                          "use --device cpu or install a CUDA build of torch")
@@ -461,12 +461,12 @@ def run(device=None, quick: bool | None = None, budget: float | None = None,
     if model_names:
         p["models"] = list(model_names)
     r = Run(device, p, float(budget if budget is not None else p["budget"]))
-    for name in tqdm(p["models"], desc="loading models", leave=False):
+    for name in progress.bar(p["models"], desc="loading models", leave=False):
         r.model(name)                  # before the sections' clocks start; fails early on a bad name
     fns = {name: globals()[name] for name in sections}
     out = dict(schema=SCHEMA, kind="kvlab.report", complete=False, quick=quick, budget_s=r.budget,
-               elapsed_s=0.0, plan=p, provenance=provenance(device, r), sections={})
-    for i, (name, fn) in enumerate(tqdm(fns.items(), desc="kvlab.report", leave=False)):
+               elapsed_s=0.0, plan=p, provenance=run_provenance(device, r), sections={})
+    for i, (name, fn) in enumerate(progress.bar(fns.items(), desc="kvlab.report", leave=False)):
         share = max(r.left(), 0) / (len(fns) - i)          # unused time rolls over to later sections
         out["sections"][name] = sec = _section(fn, r, share)
         out["elapsed_s"] = _num(time.perf_counter() - r.start, 4)
@@ -507,7 +507,7 @@ def _check_args(ap, args):
         if problem:
             ap.error(f"{flag}: {problem}")
     try:
-        device = models.check_device(args.device) if args.device is not None else models.pick_device()
+        device = loading.check_device(args.device) if args.device is not None else loading.pick_device()
     except ValueError as e:
         ap.error(f"--device: {e}")
     sections = [s.strip() for s in args.sections.split(",") if s.strip()]
@@ -540,12 +540,11 @@ def main(argv=None) -> int:
     try:
         result = run(device, args.quick, args.budget, sections, names, args.threads,
                      checkpoint=lambda partial: write_json(partial, args.out))
-    except (ValueError, models.ModelNotAvailable) as e:
+    except (ValueError, loading.ModelNotAvailable) as e:
         ap.error(str(e))
     write_json(result, args.out)
     print(f"wrote {args.out}")
     if args.figure:
-        from . import results
         results.save_figure(result, args.figure)
         print(f"wrote {args.figure}")
     failed = [k for k, v in result["sections"].items() if v["status"] == "error"]

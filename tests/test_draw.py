@@ -77,7 +77,7 @@ def test_generic_diagrams_for_chapters_7_to_9():
 
 
 def test_block_tables_of_the_serving_engine_with_copy_on_write_and_prefix_cache():
-    from kvlab.checks._fake import FakeLM
+    from kvlab.course.checks._fake import FakeLM
     from kvlab.serving import Engine
     eng = Engine(FakeLM(vocab=97), num_blocks=12, block_size=4, max_num_batched_tokens=64)
     prefix = eng.add_prefix(list(range(1, 7)))                          # 6 tokens: block 0 full, block 1 half
@@ -95,7 +95,7 @@ def test_block_tables_of_the_serving_engine_with_copy_on_write_and_prefix_cache(
 
 
 def test_timeline_of_a_served_engine():
-    from kvlab.checks._fake import FakeLM
+    from kvlab.course.checks._fake import FakeLM
     from kvlab.serving import Engine
     eng = Engine(FakeLM(vocab=97), num_blocks=6, block_size=4, max_num_batched_tokens=8, max_num_seqs=4)
     for i in range(5):

@@ -5,7 +5,7 @@ import torch
 
 from kvlab.cache import Cache
 from kvlab.gpt2 import GPT2, attention, generate
-from kvlab import static
+from kvlab import reference
 from kvlab.static import StaticCache, StaticDecoder, static_attention, static_attention_explicit
 
 
@@ -184,7 +184,7 @@ def test_part_floors_are_the_step_bytes(tiny):
 
 
 def test_break_even_and_first_call():
-    from kvlab.static import break_even_tokens, cpu_compiler, time_first_call
+    from kvlab.staticbench import break_even_tokens, cpu_compiler, time_first_call
 
     assert break_even_tokens(10.0, 0.003, 0.001) == pytest.approx(5000)   # 10 s / 2 ms saved per token
     assert break_even_tokens(10.0, 0.001, 0.002) is None                  # slower: never pays off
@@ -193,7 +193,7 @@ def test_break_even_and_first_call():
 
 
 def test_no_compiler_is_a_clear_error(monkeypatch):
-    from kvlab.static import cpu_compiler
+    from kvlab.staticbench import cpu_compiler
 
     monkeypatch.setenv("CXX", "no-such-compiler-kvlab")
     with pytest.raises(RuntimeError, match="needs a C\\+\\+ compiler"):
@@ -206,18 +206,18 @@ def test_hf_compile_config_refuses_a_transformers_that_ignores_the_private_flag(
     import transformers
     from transformers.generation.utils import GenerationMixin
 
-    assert static.honours_compile_all_devices()              # the pinned release reads the flag
-    assert static.hf_compile_config("cpu")._compile_all_devices is True
-    assert static.hf_compile_config("cuda").mode == "reduce-overhead"   # compiles by itself there
+    assert reference.honours_compile_all_devices()              # the pinned release reads the flag
+    assert reference.hf_compile_config("cpu")._compile_all_devices is True
+    assert reference.hf_compile_config("cuda").mode == "reduce-overhead"   # compiles by itself there
     monkeypatch.delattr(transformers.CompileConfig, "_compile_all_devices")
     with pytest.raises(RuntimeError, match="_compile_all_devices.*would run eagerly"):
-        static.hf_compile_config("cpu")
-    static.hf_compile_config("cuda")                          # not needed on CUDA: no error
+        reference.hf_compile_config("cpu")
+    reference.hf_compile_config("cuda")                          # not needed on CUDA: no error
     monkeypatch.undo()
     monkeypatch.setattr(GenerationMixin, "_valid_auto_compile_criteria", lambda self, kw, gc: True)
-    assert not static.honours_compile_all_devices()           # the flag exists but is no longer read
+    assert not reference.honours_compile_all_devices()           # the flag exists but is no longer read
     with pytest.raises(RuntimeError, match="transformers .* no longer reads"):
-        static.hf_compile_config("cpu")
+        reference.hf_compile_config("cpu")
 
 
 def test_breakdown_sentence_is_computed_from_the_parts(capsys):

@@ -27,6 +27,7 @@ from .clock import Clock, Trace
 from .runner import Runner
 from .scheduler import Scheduler
 from .sequence import Sequence, Status
+from ..progress import bar as tqdm
 
 
 def _int(name: str, v, lo: int, hi: int | None = None) -> int:
@@ -189,7 +190,6 @@ class Engine:
 
     def run(self, progress: bool = False) -> list[Sequence]:
         """Step until every request has finished or failed; returns them in submission order."""
-        from ..progress import bar as tqdm
 
         with tqdm(total=len(self.seqs), desc="requests", leave=False, disable=not progress) as bar:
             while self.step():

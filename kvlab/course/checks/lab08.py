@@ -30,7 +30,7 @@ from types import SimpleNamespace
 
 import torch
 
-from ..generate import hf_greedy
+from kvlab.reference import hf_greedy
 from ._common import (ValueReads, call_unmodified, confirmed, fail, first_difference, fresh_prompts,
                       grading_model, held_tensors, learner_call, misplaced, passed)
 
@@ -515,7 +515,7 @@ def check_no_recompile(StaticKVCache, static_attention, steps: int = 50) -> None
     from torch._dynamo.testing import CompileCounterWithBackend
 
     from ..gpt2 import GPT2
-    from ..static import StaticDecoder
+    from kvlab.static import StaticDecoder
 
     hf, tok = grading_model()
     model = GPT2.from_hf(hf)
@@ -648,7 +648,7 @@ def check_static_generate(static_generate) -> None:
     from torch._dynamo.utils import counters
 
     from ..gpt2 import GPT2
-    from ..static import StaticCache
+    from kvlab.static import StaticCache
 
     hf, tok = grading_model()
     model = GPT2.from_hf(hf)

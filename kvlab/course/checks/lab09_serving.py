@@ -72,7 +72,7 @@ def _snapshot(sch) -> dict:
 
 
 def _verify_step(sch, snap, batch, where) -> None:
-    from ..serving import Batch, Status
+    from kvlab.serving import Batch, Status
 
     if not isinstance(batch, Batch):
         raise fail(NAME_SCHED, f"{where}: schedule() must return a kvlab.serving.Batch, got {type(batch).__name__}")
@@ -100,7 +100,7 @@ def _verify_step(sch, snap, batch, where) -> None:
 
 
 def _verify_victims(sch, snap, batch, where) -> None:
-    from ..serving import Status
+    from kvlab.serving import Status
 
     victims = [s for s in snap["running"] if s.status is Status.WAITING]
     logged = {id(v) for v, _, _ in sch.preempt_log}
@@ -121,7 +121,7 @@ def _verify_victims(sch, snap, batch, where) -> None:
 
 
 def _verify_fairness(sch, snap, batch, where, total) -> None:
-    from ..serving import Status
+    from kvlab.serving import Status
 
     scheduled = {id(s) for s, _ in batch.work}
     room = total < sch.max_tokens and len(batch.work) < sch.max_seqs
@@ -191,7 +191,7 @@ def _graded_class(Scheduler, title):
 
 
 def _run_case(Scheduler, model, case, reference):
-    from ..serving import Engine, Status
+    from kvlab.serving import Engine, Status
 
     title, kw, n, plen, new, pre, seed = case
     eng = Engine(model, scheduler_cls=_graded_class(Scheduler, title), clock=_Ticks(), **kw)
@@ -226,7 +226,7 @@ def _run_case(Scheduler, model, case, reference):
 
 def check_scheduler(Scheduler) -> None:
     """Grade a ``kvlab.serving.Scheduler`` subclass whose ``schedule()`` is the learner's."""
-    from ..serving import Scheduler as Library
+    from kvlab.serving import Scheduler as Library
 
     if not (isinstance(Scheduler, type) and issubclass(Scheduler, Library)):
         raise fail(NAME_SCHED, "hand in a class that subclasses kvlab.serving.Scheduler and writes schedule()")
@@ -245,7 +245,7 @@ def check_scheduler(Scheduler) -> None:
 
 def _confirm_on_gpt2(Scheduler) -> None:
     from ..gpt2 import GPT2
-    from ..servingbench import References
+    from kvlab.servingbench import References
     from ._common import grading_model
 
     model = GPT2.from_hf(grading_model()[0])
@@ -259,7 +259,7 @@ def _confirm_on_gpt2(Scheduler) -> None:
 
 def _fill(bm, rid, tokens):
     """A sequence that computed ``tokens`` and finished: its full blocks registered, then freed."""
-    from ..serving import Sequence
+    from kvlab.serving import Sequence
 
     s = Sequence(rid, tuple(tokens), 1)
     bm.allocate(s, len(tokens))
@@ -316,7 +316,7 @@ def _prefix_scenarios(BlockManager):
 
 def check_prefix_cache(BlockManager) -> None:
     """Grade a ``kvlab.serving.BlockManager`` subclass whose ``lookup`` and ``evict`` are the learner's."""
-    from ..serving import BlockManager as Library
+    from kvlab.serving import BlockManager as Library
 
     if not (isinstance(BlockManager, type) and issubclass(BlockManager, Library)):
         raise fail(NAME_PREFIX, "hand in a class that subclasses kvlab.serving.BlockManager and writes lookup and evict")
@@ -354,7 +354,7 @@ _PREFIX_HINTS = {
 
 
 def _serve_prefixes(BlockManager):
-    from ..serving import Engine, Status
+    from kvlab.serving import Engine, Status
 
     rng = random.Random(78)
     system = [rng.randrange(1, V) for _ in range(10)]

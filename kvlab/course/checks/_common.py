@@ -32,7 +32,7 @@ class GraderFailure(AssertionError):
 @functools.lru_cache(maxsize=2)
 def grading_model(name: str = "kvlab-tiny"):
     """The model graders run on: the bundled one (offline, fast, deterministic), fp32, CPU."""
-    from ..models import load
+    from kvlab.loading import load
 
     torch.manual_seed(0)
     return load(name, device="cpu", dtype=torch.float32)
@@ -57,7 +57,7 @@ _REFERENCE: dict = {}
 
 def reference_greedy(model, prompt: torch.Tensor, n: int, use_cache: bool = True) -> torch.Tensor:
     """transformers' greedy tokens for ``prompt``, memoised (graders ask for the same ones often)."""
-    from ..generate import hf_greedy
+    from kvlab.reference import hf_greedy
 
     key = (id(model), tuple(prompt[0].tolist()), n, use_cache)
     if key not in _REFERENCE:
@@ -361,7 +361,7 @@ def _own_functions(obj):
 
 
 # kvlab modules that are tools, not answers: a learner's code may import these
-_LIBRARY_TOOLS = ("kvlab.models", "kvlab.timing", "kvlab.plots", "kvlab.checks")
+_LIBRARY_TOOLS = ("kvlab.loading", "kvlab.provenance", "kvlab.paths", "kvlab.timing", "kvlab.plots", "kvlab.course.checks")
 
 
 def library_calls(obj) -> list[str]:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..generate import hf_greedy
+from kvlab.reference import hf_greedy
 from ._common import (GraderFailure, call_unmodified, confirmed, expect_value_error, fail,
                       first_difference, fresh_prompts, grading_model, held_tensors, learner_call,
                       misplaced, passed)
@@ -497,7 +497,7 @@ def _batch_prompts(tok, idx, T):
 
 def _which_piece(hf, KVCache, attention, ids, n, want, detail, second: bool) -> None:
     """Swap each piece for the library's and look again: name the piece that is wrong."""
-    from ..cache import PreallocatedCache
+    from kvlab.cache import PreallocatedCache
     from ..gpt2 import GPT2, generate, sdpa_attention
 
     cfg = hf.config

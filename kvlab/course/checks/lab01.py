@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..memory import context_length
+from kvlab.configs import context_length
 from ._common import (LearnerModel, check_generated_ids, confirmed, expect_value_error, fail,
                       first_difference,
                       fresh_prompts, grading_model, learner_call, passed, reference_greedy,
