@@ -21,7 +21,8 @@ import torch
 
 from . import progress
 from .gpt2 import generate
-from .paged import BlockAllocator, PagedKVCache, blocks_for
+from .paged import BlockAllocator, blocks_for
+from .paged_cache import PagedKVCache
 from .roofline import _lm_head, cache_read_bytes, matmul_weights, weight_bytes
 from .serving import BlockManager, Engine, Runner, Sequence, Status
 from .timing import Timing, compare

@@ -13,7 +13,7 @@ import shutil
 import pytest
 import torch
 
-from kvlab import (bench, calculator, catalogue, flops, gpt2, loading, paged, paths, probes, provenance, quality, quant, reference, report, roofline, validate)
+from kvlab import (bench, calculator, catalogue, flops, gpt2, loading, paged, paged_cache, paths, probes, provenance, quality, quant, reference, report, roofline, validate)
 
 
 def raises(exc, call, *needles):
@@ -348,7 +348,7 @@ def test_batched_gather_checks_every_row(tables, lengths, needles):
 
 def test_block_size_zero_is_a_clear_error():
     raises(ValueError, lambda: paged.blocks_for(5, 0), "block_size must be an int >= 1")
-    raises(ValueError, lambda: paged.PagedCache(2, 1, 2, 4, 16, block_size=0), "block_size")
+    raises(ValueError, lambda: paged_cache.PagedCache(2, 1, 2, 4, 16, block_size=0), "block_size")
 
 
 # ---- quantization ---------------------------------------------------------------------------------
@@ -415,12 +415,12 @@ def test_calculator_refuses_what_it_would_coerce():
 
 # ---- the caches' own boundaries (paged reserve, static decoder and buffer) -------------------------
 
-def _paged_state(c: paged.PagedKVCache):
+def _paged_state(c: paged_cache.PagedKVCache):
     return dict(c.lengths), c.num_free, {s: c.allocator.block_table(s) for s in c.lengths}, c.copies
 
 
 def test_paged_reserve_is_all_or_nothing():
-    c = paged.PagedKVCache(1, 1, 2, num_blocks=3, block_size=2)
+    c = paged_cache.PagedKVCache(1, 1, 2, num_blocks=3, block_size=2)
     c.reserve("a", 2)
     before = _paged_state(c)
     raises(ValueError, lambda: c.reserve("a", -3), "n (tokens to reserve)", ">= 0")
@@ -433,7 +433,7 @@ def test_paged_reserve_is_all_or_nothing():
 
 
 def test_paged_reserve_counts_the_copy_of_a_shared_tail():
-    c = paged.PagedKVCache(1, 1, 2, num_blocks=2, block_size=4)
+    c = paged_cache.PagedKVCache(1, 1, 2, num_blocks=2, block_size=4)
     c.reserve("a", 3)
     c.fork("a", "b")
     c.fork("a", "c")                                  # block 0 shared three ways, partly filled
@@ -444,8 +444,8 @@ def test_paged_reserve_counts_the_copy_of_a_shared_tail():
 
 
 def test_paged_pool_sizes_checked_before_allocating():
-    raises(ValueError, lambda: paged.PagedKVCache(1, 1, 2, num_blocks=3, block_size=0), "block_size", ">= 1")
-    raises(ValueError, lambda: paged.PagedKVCache(1, 1, 2, num_blocks=0, block_size=2), "num_blocks", ">= 1")
+    raises(ValueError, lambda: paged_cache.PagedKVCache(1, 1, 2, num_blocks=3, block_size=0), "block_size", ">= 1")
+    raises(ValueError, lambda: paged_cache.PagedKVCache(1, 1, 2, num_blocks=0, block_size=2), "num_blocks", ">= 1")
 
 
 def test_static_decoder_max_len_zero_is_refused(tiny):

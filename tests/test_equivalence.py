@@ -18,7 +18,7 @@ from kvlab.cache import ConcatCache, PreallocatedCache, SlidingWindowCache
 from kvlab.reference import cached_generate, hf_greedy, naive_generate
 from kvlab.gpt2 import GPT2, generate, generate_uncached
 from kvlab.harness import rewind_and_regenerate
-from kvlab.paged import PagedCache, PagedKVCache, ragged_forward
+from kvlab.paged_cache import PagedCache, PagedKVCache, ragged_forward
 from kvlab.quant_cache import TOLERANCE, AbsmaxFakeInt8Cache, QuantizedCache
 from kvlab.quantbench import compare, score_through_cache
 from kvlab.serving import Engine

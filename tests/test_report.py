@@ -12,7 +12,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from kvlab import report, results
+from kvlab import machine, report, results
 from kvlab.paths import REPO_ROOT
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
@@ -163,7 +163,7 @@ def test_write_json_is_atomic(tmp_path):
 
 def test_commit_from_environment(monkeypatch):
     monkeypatch.setenv("KVLAB_COMMIT", "abc123")
-    assert report._git_commit() == {"commit": "abc123", "source": "KVLAB_COMMIT"}
+    assert machine._git_commit() == {"commit": "abc123", "source": "KVLAB_COMMIT"}
 
 
 def test_bad_arguments_are_clear():

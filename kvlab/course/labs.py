@@ -43,7 +43,7 @@ from pathlib import Path
 
 from kvlab import __version__
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+from kvlab.paths import REPO_ROOT
 BACKUP_DIR = Path("labs") / "backup"
 
 BEGIN, END = "# BEGIN SOLUTION", "# END SOLUTION"

@@ -21,13 +21,13 @@ from __future__ import annotations
 import math
 import operator
 
-from ..paged import PagedKVCache, blocks_for
+from ..paged_cache import PagedKVCache
+from ..paged import blocks_for
 from .block_manager import AllocatorBlocks, BlockManager
 from .clock import Clock, Trace
 from .runner import Runner
 from .scheduler import Scheduler
 from .sequence import Sequence, Status
-from ..progress import bar as tqdm
 
 
 def _int(name: str, v, lo: int, hi: int | None = None) -> int:
@@ -188,13 +188,11 @@ class Engine:
                     self.scheduler.retire(seq, Status.FINISHED)
         return emitted
 
-    def run(self, progress: bool = False) -> list[Sequence]:
-        """Step until every request has finished or failed; returns them in submission order."""
-
-        with tqdm(total=len(self.seqs), desc="requests", leave=False, disable=not progress) as bar:
-            while self.step():
-                bar.n = sum(s.status in (Status.FINISHED, Status.FAILED) for s in self.seqs.values())
-                bar.refresh()
+    def run(self) -> list[Sequence]:
+        """Step until every request has finished or failed; returns them in submission order.
+        (The engine prints nothing: a caller that wants progress steps it with ``step()`` itself.)"""
+        while self.step():
+            pass
         return list(self.seqs.values())
 
     def close(self) -> None:
