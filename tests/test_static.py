@@ -117,7 +117,7 @@ def test_compiled_inductor_same_tokens(ours, tiny, inductor_dec):
 def test_compiled_step_profile_attributes_the_parts(ours, tiny, inductor_dec):
     """Chapter 8's profile of a compiled step: the library's matmuls and attention are found by name
     in inductor's step, the parts add up to the profiled wall time, and the step still runs after."""
-    from kvlab import staticbench as sb
+    from kvlab import staticbench as sb, staticview as sv
 
     ids = tiny[1]("The LORD is my shepherd", return_tensors="pt").input_ids
     inductor_dec.generate(ids, 4)
@@ -140,7 +140,7 @@ def test_step_parts_by_name_and_device_time():
 
     from torch.autograd import DeviceType
 
-    from kvlab import staticbench as sb
+    from kvlab import staticbench as sb, staticview as sv
 
     ops = {"aten::addmm": "matrix products", "aten::mm": "matrix products", "aten::bmm": "attention",
            "aten::_scaled_dot_product_flash_attention_for_cpu": "attention", "aten::add": "everything else",
@@ -171,7 +171,7 @@ def test_part_floors_are_the_step_bytes(tiny):
     """The three parts' floors split the static step's bytes: matmul weights (LM head once), the full
     max_len buffers, and the rest; the FLOP term takes over when the rate is low."""
     from kvlab import roofline
-    from kvlab import staticbench as sb
+    from kvlab import staticbench as sb, staticview as sv
 
     hf, C = tiny[0], tiny[0].config.n_embd
     L, V, S = hf.config.n_layer, hf.config.vocab_size, 40
@@ -223,7 +223,7 @@ def test_hf_compile_config_refuses_a_transformers_that_ignores_the_private_flag(
 def test_breakdown_sentence_is_computed_from_the_parts(capsys):
     """The sentence names the part farthest above its floor, says when the noise test cannot tell it
     from the next, and says so when the profiler named nothing (no split is invented)."""
-    from kvlab import staticbench as sb
+    from kvlab import staticbench as sb, staticview as sv
     from kvlab.timing import Timing
 
     def parts(secs, spread=0.0):
@@ -236,11 +236,11 @@ def test_breakdown_sentence_is_computed_from_the_parts(capsys):
         return out
 
     attention_worst = parts([(1.0e-3, 0.9e-3), (1.5e-3, 0.1e-3), (0.5e-3, 0.0)])
-    s = sb.breakdown_sentence(attention_worst)
+    s = sv.breakdown_sentence(attention_worst)
     assert "farthest above its floor is attention" in s and "the next, everything else" in s
     noisy = parts([(1.0e-3, 0.9e-3), (1.5e-3, 0.1e-3), (1.3e-3, 0.0)], spread=0.5)
-    assert "not told apart" in sb.breakdown_sentence(noisy)
+    assert "not told apart" in sv.breakdown_sentence(noisy)
     blind = parts([(0.0, 0.9e-3), (0.0, 0.1e-3), (3e-3, 0.0)])
-    assert "named no matrix product" in sb.breakdown_sentence(blind)
-    sb.print_breakdown(attention_worst)
+    assert "named no matrix product" in sv.breakdown_sentence(blind)
+    sv.print_breakdown(attention_worst)
     assert "above floor ms" in capsys.readouterr().out
