@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 from .cache import Cache, EMPTY
 from .paged import BlockAllocator, OutOfBlocks, _count, batched_gather, block_index, blocks_for, blocks_to_grow, joined_gather
+from .validate import check_context
+from .configs import kv_dims
 
 
 class PagedKVCache(Cache):
@@ -46,8 +48,7 @@ class PagedKVCache(Cache):
     @classmethod
     def for_model(cls, model, num_blocks: int, block_size: int, **kwargs) -> "PagedKVCache":
         cfg, p = model.config, next(model.parameters())
-        return cls(cfg.n_layer, cfg.n_head, cfg.n_embd // cfg.n_head, num_blocks, block_size,
-                   p.dtype, p.device, **kwargs)
+        return cls(*kv_dims(cfg), num_blocks, block_size, p.dtype, p.device, **kwargs)
 
     def reserve(self, seq_id, n: int) -> list[tuple[int, int]]:
         """``(block, offset)`` slots for ``n`` more tokens of ``seq_id`` (a new sequence is allocated);
@@ -210,8 +211,8 @@ def ragged_forward(model, cache: PagedKVCache, seq_ids: list, new_tokens: list[l
     limit = model.config.n_positions
     if not lens or min(lens) < 1:
         raise ValueError("every sequence of a step needs at least one new token")
-    if max(cache.lengths.get(s, 0) + n for s, n in zip(seq_ids, lens)) > limit:
-        raise ValueError(f"a sequence would exceed GPT-2's context of {limit} positions")
+    check_context(max(cache.lengths.get(s, 0) + n for s, n in zip(seq_ids, lens)), limit,
+                  "a sequence's cached + new tokens", "finish it before it grows past the context")
     dev = model.wte.weight.device
     cache.begin_step(seq_ids, lens)
     ids = torch.tensor([t for toks in new_tokens for t in toks], device=dev)[None]

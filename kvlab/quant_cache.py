@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 from .cache import Cache, append_positions, tensor_bytes
 from .quant import absmax_per_tensor_fake_int8, check_bits, dequantize, dequantize_groups, pack, quantize, quantize_groups, unpack
+from .configs import context_length, kv_dims
 
 
 #: Statistics modes. The cache quantizes whole blocks of tokens at once, viewed as
@@ -57,9 +58,9 @@ class QuantizedCache(Cache):
 
     @classmethod
     def from_config(cls, config, batch_size: int = 1, max_len: int | None = None, **kw):
-        """Shapes from a GPT-2 config (``n_layer``, ``n_head``, ``n_embd``, ``n_positions``)."""
-        return cls(config.n_layer, batch_size, config.n_head, config.n_embd // config.n_head,
-                   max_len or config.n_positions, **kw)
+        """Shapes from a model's config (GPT-2's or any other: :func:`kvlab.configs.kv_dims`)."""
+        n_layer, kv_heads, head_dim = kv_dims(config)
+        return cls(n_layer, batch_size, kv_heads, head_dim, max_len or context_length(config), **kw)
 
     def reset(self) -> None:
         # per layer: (packed codes, scale, zero point) of all quantized blocks, for keys and values

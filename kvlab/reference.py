@@ -107,3 +107,12 @@ def hf_static_generate(model, input_ids, max_new_tokens: int, compile_config=Non
     return model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
                           max_new_tokens=max_new_tokens, eos_token_id=None,
                           pad_token_id=model.config.eos_token_id, cache_implementation="static", **how)
+
+
+def first_difference(a: torch.Tensor, b: torch.Tensor) -> int | None:
+    """Index (along the last dim) of the first token where ``a`` and ``b`` differ; None if identical,
+    0 if their shapes differ."""
+    if a.shape != b.shape:
+        return 0
+    diff = (a.cpu() != b.cpu()).nonzero()
+    return None if diff.numel() == 0 else int(diff[0, -1])

@@ -22,7 +22,7 @@ from kvlab.paged_cache import PagedCache, PagedKVCache, ragged_forward
 from kvlab.quant_cache import TOLERANCE, AbsmaxFakeInt8Cache, QuantizedCache
 from kvlab.quantbench import compare, score_through_cache
 from kvlab.serving import Engine
-from kvlab.servingbench import reference_tokens
+from kvlab.serving.reference import reference_tokens
 from kvlab.static import StaticCache, StaticDecoder
 
 N = 14   # new tokens per prompt

@@ -28,6 +28,7 @@ from .clock import Clock, Trace
 from .runner import Runner
 from .scheduler import Scheduler
 from .sequence import Sequence, Status
+from ..validate import check_context
 
 
 def _int(name: str, v, lo: int, hi: int | None = None) -> int:
@@ -88,9 +89,7 @@ class Engine:
             raise ValueError("prompt must be a non-empty list of token ids (tokenize text first)")
         ids = tuple(_int(f"prompt token #{i}", t, 0, vocab) for i, t in enumerate(prompt))
         m = _int("max_new_tokens", max_new_tokens, 1)
-        if len(ids) + m > ctx:
-            raise ValueError(f"prompt ({len(ids)} tokens) + max_new_tokens ({m}) = {len(ids) + m} exceeds the "
-                             f"model's context of {ctx} positions: shorten the prompt or ask for fewer tokens")
+        check_context(len(ids) + m, ctx, f"prompt ({len(ids)} tokens) + max_new_tokens ({m})")
         eos = None if eos_token_id is None else _int("eos_token_id", eos_token_id, 0, vocab)
         rid = len(self.seqs) if rid is None else rid
         if rid in self.seqs or any(p.rid == rid for p in self.prefixes):
