@@ -87,7 +87,7 @@ def _print_results(res, hf, device, prompt_len: int, new_tokens: int) -> dict[st
 
 
 # The compiled generators of chapter 8, each with the eager generator it replaces.
-_COMPILED = {"transformers generate, StaticCache, compiled": "transformers generate (DynamicCache)",
+_COMPILED = {"transformers generate, StaticKVCache, compiled": "transformers generate (DynamicCache)",
              "kvlab hand-built GPT-2, static cache, compiled": "kvlab hand-built GPT-2, preallocated cache"}
 
 

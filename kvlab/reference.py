@@ -2,7 +2,7 @@
 
 Greedy, batch 1: ``input_ids`` is a ``LongTensor [1, T]`` and the result ``[1, T + max_new_tokens]``,
 prompt included. Chapter 1's naive generator (no cache), chapter 2's cached one, transformers'
-``generate`` itself, and its compiled ``StaticCache`` generate (chapter 8).
+``generate`` itself, and its compiled ``StaticKVCache`` generate (chapter 8).
 """
 
 from __future__ import annotations
