@@ -12,7 +12,7 @@ import torch
 
 from . import gpt2, harness, loading, probes, progress, roofline, rooflinebench, staticbench, timing
 from .batching import generate_batch
-from .reference import cached_generate, hf_greedy, naive_generate
+from .reference import cached_generate, hf_greedy, naive_generate, naive_step
 from .static import StaticDecoder
 
 
@@ -133,10 +133,6 @@ def _new_tokens(run: Run, model) -> int:
     return min(run.plan["new_tokens"], 50) if big_on_cpu else run.plan["new_tokens"]
 
 
-def _naive_step(hf, ids):
-    return lambda: hf(ids, use_cache=False).logits[:, -1].argmax(-1)
-
-
 @torch.no_grad()
 def per_position(run: Run) -> dict:
     """Chapters 1-2: milliseconds per generated token at position p, without and with the cache."""
@@ -145,7 +141,7 @@ def per_position(run: Run) -> dict:
         hf, _ = run.model(name)
         ids = run.prompt(name, hf.config.n_positions)
         for p in run.points(_fit(hf, run.device, run.plan["positions"], 256), f"per position {name}"):
-            t = run.compare({"naive": _naive_step(hf, ids[:, :p + 1]),
+            t = run.compare({"naive": naive_step(hf, ids[:, :p + 1]),
                              "cached": rooflinebench.step_fn(hf, 1, p)})     # chapter 7's step, rewound
             rows.append(dict(model=name, position=p, naive_ms=rounded(t["naive"].median * 1e3),
                              cached_ms=rounded(t["cached"].median * 1e3),

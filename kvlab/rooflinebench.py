@@ -46,18 +46,11 @@ def step_fn(model, batch_size: int, seq_len: int, seed: int = 0):
         cache = model.new_cache(batch_size, max_len=seq_len + 1)
         if seq_len:
             model(ids[:, :seq_len], cache, last_only=True)        # prefill once
-
-        return harness.rewinding_step(model, cache, ids[:, seq_len:], seq_len)   # every call: the same step
-    cache = DynamicCache(config=model.config)
-    if seq_len:
-        model(ids[:, :seq_len], cache=cache, use_cache=True)
-
-    def step():
-        with torch.no_grad():
-            out = model(ids[:, seq_len:], cache=cache, use_cache=True, logits_to_keep=1)
-            cache.crop(-1)                     # drop the position this step appended
-            return out
-    return step
+    else:
+        cache = DynamicCache(config=model.config)
+        if seq_len:
+            model(ids[:, :seq_len], cache=cache, use_cache=True)
+    return harness.rewinding_step(model, cache, ids[:, seq_len:], seq_len)   # every call: the same step
 
 
 def step_time(model, batch_size: int, seq_len: int, repeats: int = 5) -> float:
