@@ -10,9 +10,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from . import generators as G
 from . import gpt2, harness, loading, probes, progress, roofline, rooflinebench, staticbench, timing
 from .batching import generate_batch
-from .reference import cached_generate, hf_greedy, naive_generate, naive_step
+from .reference import cached_generate, naive_generate, naive_step
 from .static import StaticDecoder
 
 
@@ -156,13 +157,11 @@ def ours_vs_transformers(run: Run) -> dict:
         hf, ours = run.model(name)
         n_new = _new_tokens(run, hf)
         prompt = run.prompt(name, 8)
-        fns = {"transformers generate": lambda: hf_greedy(hf, prompt, n_new),
-               "kvlab cached_generate": lambda: cached_generate(hf, prompt, n_new),
-               "kvlab hand-built GPT-2": lambda: gpt2.generate(ours, prompt, n_new)}
+        fns, _ = G.roster(hf, ours, prompt, n_new)
         # A fast wrong generator is not a result: record whether each gives transformers' tokens.
-        first_diff = harness.token_check(fns, "transformers generate")
+        first_diff = harness.token_check(fns, G.TRANSFORMERS)
         t = run.compare(fns, warmup=0)      # the correctness pass above was the warm-up
-        base = t["transformers generate"]
+        base = t[G.TRANSFORMERS]
         for k, tk in t.items():
             rows.append(dict(model=name, generator=k, new_tokens=n_new, median_s=rounded(tk.median),
                              tokens_per_s=rounded(n_new / tk.median, 4),
