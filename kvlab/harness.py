@@ -54,7 +54,7 @@ def rewinding_step(model, cache, tokens: torch.Tensor, length: int):
                 cache.rewind(length)
                 return out[:, -1]
             out = model(tokens, cache=cache, use_cache=True, logits_to_keep=1).logits
-            cache.crop(length)                 # back to the length it had
+            cache.crop(-tokens.shape[1])       # back to `length` (crop takes a negative count to drop)
             return out[:, -1]
     return step
 
