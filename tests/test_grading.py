@@ -152,7 +152,7 @@ def test_a_broken_notebook_is_in_progress_with_a_message(tmp_path):
     (tmp_path / "labs").mkdir()
     (tmp_path / "labs" / "lab01_x.ipynb").write_text('{"cells": [')
     row = grade.grade_lab(tmp_path / "labs" / "lab01_x.ipynb", tmp_path)
-    assert row.status == "in progress" and "invalid JSON" in row.failures[0][1]
+    assert row.status == "in progress" and "invalid JSON" in row.failures[0][1] and "backup" not in row.failures[0][1]
     assert grade.which_mode(tmp_path) == ("learner", ["lab01_x.ipynb"])
 
 
@@ -288,3 +288,112 @@ def test_grade_module_imports_only_the_standard_library():
     r = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True)
     assert r.stdout.strip() == "[]", r.stdout + r.stderr
     assert grade.upstream(REPO_ROOT) == labs.repository()["url"].split("github.com/")[1]
+
+
+# --- issue 35: a file a person wrote is never lost, whatever state it is in ---------------------------
+
+def _conflicted(text: str) -> str:
+    """``text`` as git leaves it after a merge conflict inside the learner's cells."""
+    lines = text.split("\n")
+    i = next(k for k, line in enumerate(lines) if "def naive_generate" in line)
+    return "\n".join(lines[:i] + ["<<<<<<< HEAD"] + lines[i:i + 3] + ["======="] + lines[i:i + 2]
+                     + [">>>>>>> origin/main"] + lines[i + 3:])
+
+
+BROKEN = {
+    "merge conflict": lambda text: _conflicted(text),
+    "half-saved": lambda text: text[: len(text) // 2],
+    "a list": lambda text: "[]",
+    "an empty object": lambda text: "{}",
+    "no cells": lambda text: '{"cells": [], "metadata": {}, "nbformat": 4, "nbformat_minor": 5}',
+}
+
+
+@pytest.mark.parametrize("state", list(BROKEN) + ["a folder"])
+def test_a_lab_in_any_state_survives_regenerating_and_overwrite(tmp_path, capsys, state):
+    root = copy_repo(tmp_path)
+    fill_with_solution(root, LAB1)
+    path = root / "labs" / LAB1
+    if state == "a folder":
+        path.unlink()
+        (path / "mine.py").parent.mkdir()
+        (path / "mine.py").write_text("my work")
+        snapshot = lambda: (path / "mine.py").read_bytes()   # noqa: E731
+    else:
+        path.write_text(BROKEN[state](path.read_text()))
+        snapshot = path.read_bytes
+    before = snapshot()
+
+    assert labs.sync(root) == 1
+    err = capsys.readouterr().err
+    assert f"labs/{LAB1}" in err and "Nothing was changed" in err and "--overwrite" in err, err
+    assert snapshot() == before, f"{state}: the lab was changed without --overwrite"
+
+    rc = labs.sync(root, overwrite=True)
+    out, err = capsys.readouterr()
+    if state == "a folder":
+        assert rc == 1 and "folder" in err and snapshot() == before
+        assert not (root / "labs" / "backup").exists()
+        return
+    assert rc == 0, err
+    saved = re.findall(rf"saved your version of labs/{LAB1} to (labs/backup/\S+\.ipynb)", out)
+    assert len(saved) == 1, out
+    assert (root / saved[0]).read_bytes() == before, "the backup is not byte for byte"
+    assert labs.sync(root, check=True) == 0
+
+
+def test_grade_names_a_backup_only_when_there_is_one(tmp_path, capsys):
+    root = copy_repo(tmp_path)
+    path = root / "labs" / LAB1
+    path.write_text(_conflicted(path.read_text()))
+    row = grade.grade_lab(path, root)
+    assert row.status == "in progress" and "merge-conflict" in row.failures[0][1]
+    assert "git checkout" in row.failures[0][1] and "backup" not in row.failures[0][1]
+    assert labs.sync(root, overwrite=True) == 0
+    saved = labs.backups_of(path, root)
+    path.write_text("[]")
+    msg = grade.grade_lab(path, root).failures[0][1]
+    assert str(saved[-1].relative_to(root)) in msg and "not a notebook" in msg
+    path.unlink()
+    path.mkdir()
+    assert "folder" in grade.grade_lab(path, root).failures[0][1]
+
+
+def test_a_failed_backup_writes_nothing(tmp_path, capsys):
+    root = copy_repo(tmp_path)
+    path = root / "labs" / LAB1
+    path.write_text("{}")
+    (root / "labs" / "backup").write_text("not a folder")
+    assert labs.sync(root, overwrite=True) == 1
+    err = capsys.readouterr().err
+    assert f"labs/{LAB1}: not written" in err and "labs/backup is a file" in err, err
+    assert path.read_text() == "{}" and (root / "labs" / "backup").read_text() == "not a folder"
+
+
+def test_release_never_replaces_an_instructors_file(tmp_path, capsys):
+    course = tmp_path / "course"
+    release.write_release(course, REPO_ROOT, "01")
+    release.write_release(course, REPO_ROOT, "01")            # its own files: replaced quietly
+    config, source = course / "nbgrader_config.py", next((course / "source").rglob("*.ipynb"))
+    config.write_text(config.read_text() + "c.Exchange.root = '/srv/exchange'\n")
+    source.write_text(source.read_text().replace("Lab 1", "Lab 1 (our course)"))
+    before = {p: p.read_bytes() for p in course.rglob("*") if p.is_file()}
+    with pytest.raises(SystemExit, match="nbgrader_config.py") as err:
+        release.write_release(course, REPO_ROOT, "01")
+    assert str(source.relative_to(course)) in str(err.value) and "--overwrite" in str(err.value)
+    assert {p: p.read_bytes() for p in course.rglob("*") if p.is_file()} == before
+    release.write_release(course, REPO_ROOT, "01", overwrite=True)
+    out = capsys.readouterr().out
+    for changed in (config, source):
+        saved = re.search(rf"saved your {re.escape(str(changed.relative_to(course)))} to (\S+)", out)
+        assert saved and Path(saved.group(1)).read_bytes() == before[changed], out
+
+
+@pytest.mark.parametrize("out, needle", [("", "OUT is empty"), ("a_file", "is a file"),
+                                         ("/sys/kvlab-course", "not writable")])
+def test_release_refuses_an_out_it_cannot_use(tmp_path, monkeypatch, out, needle):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "a_file").write_text("keep me")
+    with pytest.raises(SystemExit, match=needle):
+        release.main([out, "--lab", "01", "--root", str(REPO_ROOT)])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file"] and (tmp_path / "a_file").read_text() == "keep me"

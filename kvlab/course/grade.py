@@ -144,17 +144,21 @@ def label(lab: dict, cell: dict) -> str:
 
 
 def read_lab(path: Path) -> dict | None:
-    try:
-        return json.loads(path.read_text())
-    except ValueError:
-        return None
+    return L.read_notebook(path)[0]
+
+
+def restore_hint(path: Path, root: Path) -> str:
+    """How to get a broken lab back: its newest backup when one exists, else git (never an empty folder)."""
+    saved = L.backups_of(path, root)
+    if saved:
+        return f"your newest backup is {saved[-1].relative_to(root)} (copy it over {path.relative_to(root)})"
+    return f"restore it with git (`git checkout -- {path.relative_to(root)}`, or resolve the merge conflict)"
 
 
 def grade_lab(path: Path, root: Path, cell_timeout: int = 600) -> Row:
-    lab = read_lab(path)
-    if lab is None:
-        return Row(path.stem, "in progress", failures=[("the file", "not a notebook (invalid JSON): "
-                                                        "restore it with git, or from labs/backup/")])
+    lab, problem = L.read_notebook(path)
+    if problem:
+        return Row(path.stem, "in progress", failures=[("the file", f"{problem}: {restore_hint(path, root)}")])
     started = L.started(lab)
     if started == []:
         return Row(path.stem, "not started")

@@ -280,81 +280,158 @@ def render(sol: Path, block: str) -> tuple[str, str]:
     return nbformat.writes(nb, version=4) + "\n", nbformat.writes(lab, version=4) + "\n"
 
 
-def lab_status(path: Path, text: str) -> tuple[list[str], list[int], dict | None]:
-    """(why the lab at ``path`` is out of date, its learner's cells, its JSON) against ``text``,
-    the lab as generated now. A lab nobody touched (no learner's cell, no outputs) must equal the
-    generated file exactly; one a learner worked in is compared without the learner's cells."""
-    if not path.exists():
-        return ["missing"], [], None
-    old = path.read_text()
-    if old == text:
-        return [], [], None
+CONFLICT = re.compile(r"^(<{7}|={7}|>{7})( |$)", re.M)
+
+
+def read_notebook(path: Path) -> tuple[dict | None, str | None]:
+    """(the notebook's JSON, None), or (None, why ``path`` is no notebook this command can read):
+    the one reader of a lab that a person may have touched (``kvlab.course.grade`` uses it too)."""
+    if path.is_dir():
+        return None, "is a folder, not a notebook file"
     try:
-        lab = json.loads(old)
+        text = path.read_bytes().decode("utf-8")
+    except OSError as err:
+        return None, f"cannot be read ({err.strerror or err})"
+    except UnicodeDecodeError:
+        return None, "is not text (not a notebook)"
+    if CONFLICT.search(text):
+        return None, "holds git merge-conflict markers (<<<<<<< ======= >>>>>>>): resolve the conflict"
+    try:
+        nb = json.loads(text)
     except ValueError as err:
-        return [f"not a notebook ({err})"], [], None
+        return None, f"is not a notebook (invalid JSON: {err}; a half-saved file?)"
+    cells = nb.get("cells") if isinstance(nb, dict) else None
+    if not isinstance(cells, list) or not all(isinstance(c, dict) and "cell_type" in c for c in cells):
+        return None, "is JSON but not a notebook (it has no list of cells)"
+    if not cells:
+        return None, "is a notebook with no cells"
+    return nb, None
+
+
+def lab_status(path: Path, text: str) -> tuple[list[str], list[int], dict | None, str | None]:
+    """(why the lab at ``path`` is out of date, its learner's cells, its JSON, why it is not a lab
+    this command wrote) against ``text``, the lab as generated now. A lab nobody touched (no
+    learner's cell, no outputs) must equal the generated file exactly; one a learner worked in is
+    compared without the learner's cells; a file that is no notebook (a half-saved file, merge
+    conflicts, a folder) is never the command's to replace."""
+    if not path.exists() and not path.is_symlink():
+        return ["missing"], [], None, None
+    if path.is_file() and path.read_bytes() == text.encode():
+        return [], [], None, None
+    lab, problem = read_notebook(path)
+    if problem:
+        return [problem], [], None, problem
     gen = json.loads(text)
     mine = learner_cells(lab, gen)
     if not mine and not _has_outputs(lab):
-        return ["differs from what solutions/ generates"], [], lab
-    return stale_reasons(lab, gen), mine, lab
+        return ["differs from what solutions/ generates"], [], lab, None
+    return stale_reasons(lab, gen), mine, lab, None
+
+
+def backups_of(path: Path, root: Path = REPO_ROOT) -> list[Path]:
+    """The backups this command made of the lab at ``path``, oldest first (none when there are none)."""
+    folder = root / BACKUP_DIR
+    return sorted(folder.glob(f"{path.stem}.*.ipynb")) if folder.is_dir() else []
 
 
 def backup(path: Path, root: Path = REPO_ROOT) -> Path:
-    """Copy the lab at ``path`` to labs/backup/NAME.<UTC time>.ipynb (never over an older backup)."""
+    """Copy the file at ``path``, byte for byte, to labs/backup/NAME.<UTC time>.ipynb (never over an
+    older backup). Raises OSError naming the folder when it cannot (labs/backup is a file, read-only)."""
     folder = root / BACKUP_DIR
+    if folder.exists() and not folder.is_dir():
+        raise OSError(f"{BACKUP_DIR} is a file, so no backup can be kept there: move it away")
     folder.mkdir(parents=True, exist_ok=True)
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
     dest, n = folder / f"{path.stem}.{stamp}.ipynb", 1
     while dest.exists():
         n += 1
         dest = folder / f"{path.stem}.{stamp}-{n}.ipynb"
-    dest.write_bytes(path.read_bytes())
+    data = path.read_bytes()
+    dest.write_bytes(data)
+    if dest.read_bytes() != data:
+        raise OSError(f"the backup {dest} does not read back as written")
     return dest
 
 
-def _refusal(refused, root: Path) -> str:
-    lines = ["NOT regenerated, because they hold your work (cells that differ from the generated lab):"]
-    for path, lab, mine in refused:
-        cells = ", ".join(describe(lab, k) for k in mine)
-        lines.append(f"  {path.relative_to(root)}: {cells}")
+def _refusal(refused, foreign, root: Path) -> str:
+    lines = []
+    if refused:
+        lines.append("NOT regenerated, because they hold your work (cells that differ from the generated lab):")
+        for path, lab, mine in refused:
+            lines.append(f"  {_rel(path, root)}: " + ", ".join(describe(lab, k) for k in mine))
+    if foreign:
+        lines.append("NOT regenerated, because they are not labs this command wrote (replacing them could lose work):")
+        lines += [f"  {_rel(path, root)}: {problem}" for path, problem in foreign]
     lines.append("Nothing was changed in them. To replace them with the generated labs anyway, run\n"
                  "  python -m kvlab.course.labs --overwrite\n"
-                 f"which first copies each one to {BACKUP_DIR}/<name>.<UTC time>.ipynb and prints where.")
+                 f"which first copies each one, byte for byte, to {BACKUP_DIR}/<name>.<UTC time>.ipynb and prints where\n"
+                 "(a folder is never replaced: move it away).")
     return "\n".join(lines)
 
 
+def _rel(path: Path, root: Path) -> str:
+    try:
+        return str(path.relative_to(root))
+    except ValueError:
+        return str(path)
+
+
+def _replace(lab_path: Path, text: str, keep: bool, root: Path) -> str | None:
+    """Write the generated lab over ``lab_path``, first backing it up when ``keep``; None when done,
+    else why not (nothing was replaced: a failed backup stops the write)."""
+    try:
+        if keep:
+            print(f"saved your version of {_rel(lab_path, root)} to {_rel(backup(lab_path, root), root)}")
+        lab_path.parent.mkdir(exist_ok=True)
+        lab_path.write_text(text)
+    except OSError as err:
+        return f"{_rel(lab_path, root)}: not written ({err.strerror or err}{': ' + str(err.filename) if err.filename else ''})"
+    print(f"wrote {_rel(lab_path, root)}")
+    return None
+
+
+def _sync_solution(sol: Path, block: str, root: Path, check: bool, stale: list) -> str | None:
+    """The lab ``sol`` generates now (its setup block regenerated in place), or None (reported)."""
+    if read_notebook(sol)[1]:
+        stale.append((sol, [f"the solution {read_notebook(sol)[1]}"]))
+        return None
+    sol_text, lab_text = render(sol, block)
+    if sol.read_text() != sol_text:
+        stale.append((sol, ["not as regenerated (its setup block, or its JSON formatting)"]))
+        if not check:
+            sol.write_text(sol_text)
+            print(f"wrote {_rel(sol, root)}")
+    return lab_text
+
+
 def sync(root: Path = REPO_ROOT, check: bool = False, overwrite: bool = False) -> int:
-    """Regenerate (or with ``check`` only compare) every solution's setup block and lab."""
-    stale, refused, block = [], [], setup_block(root)
+    """Regenerate (or with ``check`` only compare) every solution's setup block and lab. A lab that
+    holds a learner's cells, or is no notebook this command wrote, is replaced only with ``overwrite``
+    and after a byte-for-byte backup; a folder never."""
+    stale, refused, foreign, failed, block = [], [], [], [], setup_block(root)
     for sol, lab_path in lab_pairs(root):
-        sol_text, lab_text = render(sol, block)
-        if not sol.read_text() == sol_text:
-            stale.append((sol, ["not as regenerated (its setup block, or its JSON formatting)"]))
-            if not check:
-                sol.write_text(sol_text)
-                print(f"wrote {sol.relative_to(root)}")
-        reasons, mine, lab = lab_status(lab_path, lab_text)
+        lab_text = _sync_solution(sol, block, root, check, stale)
+        if lab_text is None:
+            continue
+        reasons, mine, lab, problem = lab_status(lab_path, lab_text)
         if not reasons:
             continue
         stale.append((lab_path, reasons))
         if check:
             continue
-        if mine and not overwrite:
-            refused.append((lab_path, lab, mine))
+        if (problem and (lab_path.is_dir() or not overwrite)) or (mine and not overwrite):
+            (foreign.append((lab_path, problem)) if problem else refused.append((lab_path, lab, mine)))
             continue
-        if mine:
-            print(f"saved your version of {lab_path.relative_to(root)} to {backup(lab_path, root).relative_to(root)}")
-        lab_path.parent.mkdir(exist_ok=True)
-        lab_path.write_text(lab_text)
-        print(f"wrote {lab_path.relative_to(root)}")
-    if refused:
-        print(_refusal(refused, root), file=sys.stderr)
+        failed.append(_replace(lab_path, lab_text, bool(mine or problem), root))
+    failed = [f for f in failed if f]
+    if refused or foreign or failed:
+        print("\n".join(([_refusal(refused, foreign, root)] if refused or foreign else []) + failed), file=sys.stderr)
         return 1
-    if check and stale:
+    if stale and (check or any(path.parent.name == "solutions" and reasons[0].startswith("the solution")
+                               for path, reasons in stale)):
         print("out of date (run `python -m kvlab.course.labs`):")
         for path, reasons in stale:
-            print(f"  {path.relative_to(root)}: " + "; ".join(reasons))
+            print(f"  {_rel(path, root)}: " + "; ".join(reasons))
         return 1
     return 0
 

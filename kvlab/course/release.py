@@ -21,9 +21,14 @@ stale ``labs/``):
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
+import os
 import re
+import shutil
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 from . import labs as L
@@ -115,8 +120,8 @@ def mark(nb: dict, exercises: dict) -> dict:
     return nb
 
 
-def release_lab(lab_path: Path, root: Path, out: Path) -> int:
-    """Write one lab's source and release; returns its points (its grader cells)."""
+def release_lab(lab_path: Path, root: Path, files: dict) -> int:
+    """Add one lab's source and release to ``files`` (relative path -> text); returns its points."""
     lab = json.loads(lab_path.read_text())
     exercises = (lab.get("metadata", {}).get("kvlab") or {}).get("exercises")
     if exercises is None:
@@ -134,9 +139,7 @@ def release_lab(lab_path: Path, root: Path, out: Path) -> int:
             if cell["cell_type"] == "code":
                 cell["outputs"], cell["execution_count"] = [], None
         nb["metadata"].pop("kvlab", None)
-        dest = out / kind / lab_path.stem / lab_path.name
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        dest.write_text(json.dumps(nb, indent=1, ensure_ascii=False) + "\n")
+        files[Path(kind) / lab_path.stem / lab_path.name] = json.dumps(nb, indent=1, ensure_ascii=False) + "\n"
         points = sum(bool(c["metadata"].get("nbgrader", {}).get("grade")) for c in nb["cells"])
     return points
 
@@ -150,25 +153,107 @@ def classroom_workflow(tests: list[tuple[str, str, int]]) -> str:
     return CLASSROOM_HEAD + "".join(steps) + CLASSROOM_REPORT.format(env=env, runners=",".join(ids))
 
 
-def write_release(out: Path, root: Path = L.REPO_ROOT, which: str | None = None) -> list[Path]:
-    """Everything the module docstring lists, into ``out``; returns the files written."""
+# --- writing: never over a file this command did not write ---------------------------------------
+# OUT/.kvlab-release.json records the fingerprint (sha256) of every file as written; a file that is
+# not there, or no longer matches (an instructor's nbgrader_config.py, an edited source notebook),
+# is the instructor's: refused, or with --overwrite first copied to OUT/kvlab-backup/ (and said so).
+
+MANIFEST, BACKUP = ".kvlab-release.json", "kvlab-backup"
+
+
+def sha(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def read_manifest(out: Path) -> dict:
+    try:
+        rec = json.loads((out / MANIFEST).read_text())
+        return rec if isinstance(rec, dict) else {}
+    except (OSError, ValueError):
+        return {}   # no readable record: every existing file counts as the instructor's
+
+
+def theirs(out: Path, files: dict) -> list[str]:
+    """The files of ``files`` that exist in ``out`` and are not as this command last wrote them."""
+    rec, found = read_manifest(out), []
+    for rel, text in files.items():
+        dest = out / rel
+        if dest.is_dir():
+            found.append(f"{rel} (a folder)")
+        elif dest.exists() and (data := dest.read_bytes()) != text.encode() and rec.get(str(rel)) != sha(data):
+            found.append(str(rel))
+    return found
+
+
+def check_out(out: str | Path) -> Path:
+    """OUT as a folder this command may write into; SystemExit naming the fix otherwise (before any work)."""
+    if not str(out).strip():
+        raise SystemExit("OUT is empty: name the folder to write the course into, e.g. "
+                         "`python -m kvlab.course.release course`")
+    out = Path(out).resolve()
+    if out.exists() and not out.is_dir():
+        raise SystemExit(f"{out} is a file, not a folder: give a folder (new or one this command wrote)")
+    near = next(p for p in (out, *out.parents) if p.exists())
+    try:   # try it (permission bits do not tell for root, nor for a read-only file system)
+        fd, probe = tempfile.mkstemp(dir=near, prefix=".kvlab-probe-")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as err:
+        raise SystemExit(f"{near} is not writable ({err.strerror or err}), so the course cannot be written "
+                         f"into {out}: give a folder you can write to") from None
+    return out
+
+
+def _save(out: Path, files: dict, overwrite: bool) -> list[str]:
+    """Write ``files`` into ``out`` (after backing up the instructor's files); the messages to print."""
+    said, found = [], theirs(out, files)
+    if found and (not overwrite or any(f.endswith("(a folder)") for f in found)):
+        raise SystemExit(f"{out} holds files this command did not write (or that were edited since): "
+                         + ", ".join(found) + ". Nothing was written. Release into a new folder, or pass "
+                         f"--overwrite to copy each to {out / BACKUP}/ first (a folder is never replaced).")
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    for rel in found:
+        dest = out / BACKUP / stamp / rel
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(out / rel, dest)
+        said.append(f"saved your {rel} to {dest}")
+    rec = read_manifest(out)
+    for rel, text in files.items():
+        (out / rel).parent.mkdir(parents=True, exist_ok=True)
+        (out / rel).write_text(text)
+        rec[str(rel)] = sha(text.encode())
+        (out / MANIFEST).write_text(json.dumps(rec, indent=1, sort_keys=True) + "\n")
+    return said
+
+
+def write_release(out: Path, root: Path = L.REPO_ROOT, which: str | None = None,
+                  overwrite: bool = False) -> list[Path]:
+    """Everything the module docstring lists, into ``out``; returns the files written. A file in
+    ``out`` that this command did not write is refused (or with ``overwrite`` backed up first)."""
+    out = check_out(out)
     if L.sync(root, check=True) != 0:
         raise SystemExit("labs/ is out of date with solutions/ (see above): run `python -m kvlab.course.labs` first")
-    tests = [(p.stem, p.stem[3:5], release_lab(p, root, out)) for p in find_labs(root, which)]
-    (out / "nbgrader_config.py").write_text(NBGRADER_CONFIG)
-    wf = out / "classroom" / ".github" / "workflows" / "classroom.yml"
-    wf.parent.mkdir(parents=True, exist_ok=True)
-    wf.write_text(classroom_workflow(tests))
-    return sorted(p for p in out.rglob("*") if p.is_file())
+    files: dict = {}
+    tests = [(p.stem, p.stem[3:5], release_lab(p, root, files)) for p in find_labs(root, which)]
+    files[Path("nbgrader_config.py")] = NBGRADER_CONFIG
+    files[Path("classroom") / ".github" / "workflows" / "classroom.yml"] = classroom_workflow(tests)
+    try:
+        for line in _save(out, files, overwrite):
+            print(line)
+    except OSError as err:
+        raise SystemExit(f"cannot write the course into {out}: {err.strerror or err} ({err.filename})") from None
+    return sorted(out / rel for rel in files)
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("out", type=Path, help="the folder to write (the nbgrader course's root)")
+    ap.add_argument("out", help="the folder to write (the nbgrader course's root)")
     ap.add_argument("--lab", help="one lab: its number (07) or name")
     ap.add_argument("--root", type=Path, default=L.REPO_ROOT, help="the repository (default: this one)")
+    ap.add_argument("--overwrite", action="store_true",
+                    help=f"replace files this command did not write, after copying each to OUT/{BACKUP}/")
     args = ap.parse_args(argv)
-    for path in write_release(args.out.resolve(), args.root.resolve(), args.lab):
+    for path in write_release(args.out, args.root.resolve(), args.lab, args.overwrite):
         print(f"wrote {path}")
     return 0
 
