@@ -126,6 +126,7 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     try:
         loading.pick_device()              # KVLAB_DEVICE, checked before anything is loaded
+        timing.env_threads()               # KVLAB_THREADS too
     except ValueError as e:
         ap.error(str(e))
     try:

@@ -38,7 +38,7 @@ from abc import ABC, abstractmethod
 
 import torch
 from .configs import kv_dims
-from .validate import check_context
+from .validate import check_context, check_int
 
 #: The position of a slot no query may see: a pad, an empty slot, another sequence's slot.
 EMPTY = -1
@@ -140,16 +140,14 @@ class Cache(ABC):
             self._len += new_tokens
 
     def _check_rewind(self, length: int) -> None:
-        if not isinstance(length, int) or not 0 <= length <= self.seq_len:
-            raise ValueError(f"rewind length must be an int between 0 and the {self.seq_len} tokens held, "
-                             f"got {length!r}")
+        check_int(length, "rewind length", 0, self.seq_len,
+                  fix=f"the cache holds {self.seq_len} tokens; rewind(n) keeps the first n of them")
 
     def _set_sizes(self, n_layer: int, batch_size: int, n_head: int, head_dim: int, max_len: int) -> None:
         """For caches sized up front: check and keep the five sizes their buffers are made of."""
-        if min(n_layer, batch_size, n_head, head_dim, max_len) < 1:
-            raise ValueError("n_layer, batch_size, n_head, head_dim and max_len must all be >= 1")
         self.n_layer, self.batch_size, self.n_head, self.head_dim, self.max_len = (
-            n_layer, batch_size, n_head, head_dim, max_len)
+            check_int(v, name, 1) for v, name in ((n_layer, "n_layer"), (batch_size, "batch_size"),
+                                                   (n_head, "n_head"), (head_dim, "head_dim"), (max_len, "max_len")))
 
     def _check_update(self, k: torch.Tensor, v: torch.Tensor) -> int:
         """For caches sized up front (``batch_size``, ``n_head``, ``head_dim``, ``max_len``): refuse keys

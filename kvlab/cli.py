@@ -11,17 +11,16 @@ import math
 import tempfile
 from pathlib import Path
 
+from . import validate
+
 
 def at_least(minimum: int):
     """An argparse ``type``: an integer >= ``minimum``."""
     def parse(text: str) -> int:
         try:
-            n = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-        if n < minimum:
-            raise argparse.ArgumentTypeError(f"must be an integer >= {minimum}, got {n}")
-        return n
+            return validate.int_from_text(text, "the value", minimum)
+        except ValueError as err:
+            raise argparse.ArgumentTypeError(str(err).replace("the value must be an int", "must be an integer")) from None
     parse.__name__ = f"integer >= {minimum}"
     return parse
 

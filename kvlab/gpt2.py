@@ -35,7 +35,7 @@ import torch.nn.functional as F
 
 from .cache import EMPTY, PreallocatedCache, visible
 from .pastlen import PastLenCache, as_cache
-from .validate import check_inputs
+from .validate import check_inputs, check_model_input
 from .validate import check_context
 
 
@@ -227,10 +227,11 @@ class GPT2(nn.Module):
         LongTensor of column indices) keeps those columns, e.g. each sequence's last token of a
         ragged paged batch.
         """
-        B, T = input_ids.shape
         if not torch.compiler.is_compiling():   # a compiled step gets a cache of the one interface
+            check_model_input(self, input_ids, positions, select)
             cache = as_cache(cache)
             check_forward(self, input_ids, cache, positions)   # at the boundary, before any work
+        B, T = input_ids.shape
         if positions is None:        # continue the cache (no pads): embed the positions as they are
             positions = (torch.arange(T, device=input_ids.device).expand(B, T) if cache is None
                          else cache.next_positions(B, T, input_ids.device))
@@ -313,11 +314,15 @@ def check_forward(model, input_ids, cache, positions) -> None:
 
 
 def check_cache_for(model, cache, B) -> None:
-    """The cache must fit the model (checked on first use) and the batch."""
-    if not getattr(cache, "_checked_model", False) and not isinstance(cache, PastLenCache):
-        p = model.wte.weight
-        cache.check_model(model.config, p.dtype, p.device)
-        cache._checked_model = True
+    """The cache must fit the model and the batch. The cache remembers what it was last checked
+    against (the model's layers, heads, head size, dtype and device): every use by a model that
+    differs in any of them is checked again, whatever happened in between (a reset included)."""
+    if not isinstance(cache, PastLenCache):
+        p, cfg = model.wte.weight, model.config
+        bound = (cfg.n_layer, cfg.n_head, cfg.n_embd, p.dtype, p.device)
+        if getattr(cache, "_checked_model", None) != bound:
+            cache.check_model(cfg, p.dtype, p.device)
+            cache._checked_model = bound
     rows = cache.batch_size
     if rows is not None and rows != B:
         raise ValueError(f"the cache holds {rows} row(s) but the batch has {B}: one cache row per prompt "

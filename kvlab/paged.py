@@ -24,11 +24,10 @@ copied before anyone appends to it (copy-on-write).
 
 from __future__ import annotations
 
-import operator
 from collections import deque
 
 import torch
-from .validate import check_int
+from .validate import as_int, check_int
 
 
 
@@ -130,9 +129,7 @@ class BlockAllocator:
         """Keep only the first ``num_tokens`` tokens of a sequence (a rewind): the blocks after them are
         released (back to the free list when no other table holds them)."""
         table, n = self._table(seq_id), self._lengths[seq_id]
-        if not isinstance(num_tokens, int) or not 0 <= num_tokens <= n:
-            raise ValueError(f"num_tokens must be an int between 0 and the {n} tokens of {seq_id!r}, "
-                             f"got {num_tokens!r}")
+        num_tokens = check_int(num_tokens, f"num_tokens (the tokens of {seq_id!r} to keep)", 0, n)
         keep = blocks_for(num_tokens, self.block_size)
         for b in table[keep:]:
             self._refcount[b] -= 1
@@ -157,12 +154,8 @@ class BlockAllocator:
 
 def _is_block_id(b, num_blocks: int) -> bool:
     """An integer (Python, numpy or a 0-d tensor; not a bool) in ``[0, num_blocks)``."""
-    if isinstance(b, bool):
-        return False
-    try:
-        return 0 <= operator.index(b) < num_blocks
-    except TypeError:
-        return False
+    n = as_int(b)
+    return n is not None and 0 <= n < num_blocks
 
 
 def _check_seq_id(seq_id):

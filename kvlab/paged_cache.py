@@ -167,9 +167,10 @@ class PagedPool(Cache):
 
     def rewind(self, seq_id, length: int) -> None:
         """Forget the tokens of ``seq_id`` from position ``length`` on; its blocks after them go back."""
-        if seq_id not in self.lengths or not isinstance(length, int) or not 0 <= length <= self.lengths[seq_id]:
-            raise ValueError(f"rewind needs a sequence held and a length between 0 and its "
-                             f"{self.lengths.get(seq_id)} tokens, got {seq_id!r}, {length!r}")
+        if seq_id not in self.lengths:
+            raise ValueError(f"no sequence {seq_id!r} is held (held: {sorted(self.lengths, key=repr)}): "
+                             "rewind one that was reserved and not freed")
+        length = check_int(length, f"rewind length of sequence {seq_id!r}", 0, self.lengths[seq_id])
         if not hasattr(self.allocator, "truncate"):
             raise ValueError("this allocator has no truncate(seq_id, num_tokens): a paged rewind needs one")
         self.allocator.truncate(seq_id, length)
@@ -235,10 +236,10 @@ class PagedCache(Cache):
 
     def __init__(self, n_layer, batch_size, n_head, head_dim, max_len, dtype=torch.float32, device="cpu",
                  block_size: int = 16):
+        self._set_sizes(n_layer, batch_size, n_head, head_dim, max_len)   # max_len is a limit, not a block count
         num_blocks = batch_size * blocks_for(max_len, block_size)
         self.paged = PagedPool(n_layer, n_head, head_dim, num_blocks, block_size, dtype, device)
-        self.n_layer, self.batch_size, self._len = n_layer, batch_size, 0
-        self.n_head, self.head_dim, self.dtype, self.device = n_head, head_dim, dtype, self.paged.device
+        self._len, self.dtype, self.device = 0, dtype, self.paged.device
         self._slots = None
 
     def store(self, layer, k, v, positions):
@@ -246,6 +247,7 @@ class PagedCache(Cache):
         if B != self.batch_size:
             raise ValueError(f"cache built for batch {self.batch_size}, got keys {list(k.shape)}")
         if layer == 0:   # the first layer of a pass reserves the slots of the T new tokens of every row
+            self._check_max_len(T)
             slots = [self.paged.reserve(i, T) for i in range(B)]
             self._slots = torch.tensor(slots, dtype=torch.long, device=k.device).reshape(B * T, 2)
         blocks, offsets = self._slots[:, 0], self._slots[:, 1]
@@ -256,6 +258,16 @@ class PagedCache(Cache):
         keys, values, _ = self.paged.read(layer, tables, [n] * B)
         self._advance(layer, T)
         return keys[:, :, :n], values[:, :, :n], torch.arange(n, device=k.device)[None, None]
+
+    def check_room(self, T: int, limit: int) -> None:
+        super().check_room(T, limit)
+        self._check_max_len(T)
+
+    def _check_max_len(self, T: int) -> None:
+        """The pool's blocks are rounded up; the cache holds ``max_len`` tokens, as it was asked to."""
+        if self._len + T > self.max_len:
+            raise ValueError(f"{self._len} cached + {T} new tokens exceed this cache's max_len of {self.max_len}: "
+                             "build it with a larger max_len, or rewind/reset it")
 
     def reset(self):
         self.paged.reset()

@@ -65,4 +65,11 @@ def as_cache(cache):
         return cache
     if isinstance(cache, Cache) and _takes_positions(type(cache).update):
         return cache
+    if type(cache).__module__.split(".")[0] == "transformers":
+        raise ValueError(f"a transformers {type(cache).__name__} was passed to the hand-built GPT-2, which takes a "
+                         "kvlab cache: use model.new_cache(batch_size) (or a kvlab.cache class); transformers' "
+                         "caches go with transformers' model (past_key_values=...)")
+    if isinstance(cache, (dict, list, tuple, torch.Tensor)) or not callable(getattr(cache, "update", None)):
+        raise ValueError(f"cache must be a kvlab cache (an object with update(layer, k, v, positions)), got "
+                         f"{type(cache).__name__}: use model.new_cache(batch_size)")
     return PastLenCache(cache)

@@ -29,15 +29,17 @@ from __future__ import annotations
 
 import torch
 
+from .validate import as_int
+
 
 SUPPORTED_BITS = (2, 4, 8)
 
 
 def check_bits(bits) -> int:
-    if isinstance(bits, bool) or not isinstance(bits, int) or bits not in SUPPORTED_BITS:
+    if as_int(bits) not in SUPPORTED_BITS:
         raise ValueError(f"bits must be one of {SUPPORTED_BITS} (codes that pack evenly into a byte), "
                          f"got {bits!r}")
-    return bits
+    return as_int(bits)
 
 
 # ----------------------------------------------------------------------------- quantize / dequantize
@@ -101,7 +103,7 @@ def quantize_groups(x: torch.Tensor, bits: int, group_size: int):
     """
     check_finite(x)                          # on x itself, so that an index it reports is x's
     d = x.shape[-1]
-    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size <= 0 or d % group_size:
+    if as_int(group_size) is None or group_size <= 0 or d % group_size:
         raise ValueError(f"group_size must be an int that divides the channel count {d}, got {group_size!r}")
     q, scale, zp = _minmax(x.reshape(*x.shape[:-1], d // group_size, group_size), 2 ** check_bits(bits) - 1, -1)
     return q.reshape(x.shape), scale, zp

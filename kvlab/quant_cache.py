@@ -9,6 +9,7 @@ from .cache import Cache, append_positions, tensor_bytes
 from .quant import absmax_per_tensor_fake_int8, check_bits, dequantize, dequantize_groups, pack, quantize, quantize_groups, unpack
 from .configs import context_length, kv_dims
 from .configs import config_of
+from .validate import check_int
 
 
 #: Statistics modes. The cache quantizes whole blocks of tokens at once, viewed as
@@ -44,6 +45,7 @@ class QuantizedKVCache(Cache):
                  block: int = 32, key_mode: str = "channel", value_mode: str = "token",
                  group_size: int | None = None):
         self.bits = check_bits(bits)
+        self._set_sizes(n_layer, batch_size, n_head, head_dim, max_len)
         for m in (key_mode, value_mode):
             if m not in MODES:
                 raise ValueError(f"mode must be one of {sorted(MODES)}, got {m!r}")
@@ -51,11 +53,8 @@ class QuantizedKVCache(Cache):
             raise ValueError(f"head_dim {head_dim} must be a multiple of {8 // bits} to pack {bits}-bit codes")
         if group_size is not None and (value_mode != "token" or group_size < 1 or head_dim % group_size):
             raise ValueError("group_size applies to per-token values and must divide head_dim")
-        if block < 1 or residual < 0:
-            raise ValueError(f"need block >= 1 and residual >= 0, got block={block}, residual={residual}")
-        self.n_layer, self.batch_size, self.n_head, self.head_dim = n_layer, batch_size, n_head, head_dim
-        self.max_len, self.dtype, self.device = max_len, dtype, torch.device(device)
-        self.residual, self.block = residual, block
+        self.dtype, self.device = dtype, torch.device(device)
+        self.residual, self.block = check_int(residual, "residual", 0), check_int(block, "block", 1)
         self.key_mode, self.value_mode, self.group_size = key_mode, value_mode, group_size
         self.reset()
 

@@ -27,6 +27,7 @@ from .roofline import lm_head, cache_read_bytes, matmul_weights, weight_bytes
 from .serving import BlockManager, Engine, Runner, Sequence, Status
 from .timing import Timing, compare
 from .verdicts import NOISE, on, told_apart
+from .validate import check_int
 
 # ---------------------------------------------------------------------------------------------------
 # Workloads and the reference
@@ -50,8 +51,7 @@ def poisson_arrivals(n: int, rate: float, seed: int = 0) -> list[float]:
     process: exponential gaps), seeded; the first arrives at 0."""
     if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not math.isfinite(rate) or rate <= 0:
         raise ValueError(f"rate must be a finite number of requests per second > 0, got {rate!r}")
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise ValueError(f"n must be an int >= 1, got {n!r}")
+    n = check_int(n, "n (requests)", 1)
     rng, t, out = random.Random(seed), 0.0, [0.0]
     for _ in range(n - 1):
         t += rng.expovariate(rate)

@@ -22,6 +22,7 @@ from typing import Callable
 import torch
 import torch.utils.benchmark as benchmark
 
+from . import validate
 from .progress import bar   # no frozen bar in a page built unwatched
 
 
@@ -35,13 +36,25 @@ def pick(full, quick):
     return quick if QUICK else full
 
 
+def env_threads() -> int | None:
+    """The CPU thread count the environment asks for: ``KVLAB_THREADS``, else ``OMP_NUM_THREADS``
+    (None when neither is set); a ValueError naming the variable and the fix for 0, -1 or ``abc``."""
+    name = "KVLAB_THREADS" if os.environ.get("KVLAB_THREADS", "").strip() else "OMP_NUM_THREADS"
+    env = os.environ.get(name, "").strip()
+    if not env:
+        return None
+    return validate.int_from_text(env, name, 1, fix=f"set {name} to a number of CPU threads, e.g. {name}=2, "
+                                  "or unset it for every core (at most 8)")
+
+
 def set_threads(n: int | None = None, verbose: bool = True) -> int:
     """Fix torch's CPU thread count (``KVLAB_THREADS``, else the standard ``OMP_NUM_THREADS``, else
     every core, at most 8) and report it. ``OMP_WAIT_POLICY=PASSIVE`` only works if set before torch
     is imported: the labs' setup cells set it first, and the grading instructions show it."""
     if n is None:
-        env = (os.environ.get("KVLAB_THREADS", "") or os.environ.get("OMP_NUM_THREADS", "")).strip()
-        n = int(env) if env else min(os.cpu_count() or 1, 8)
+        n = env_threads() or min(os.cpu_count() or 1, 8)
+    else:
+        n = validate.check_int(n, "threads (CPU threads)", 1)
     torch.set_num_threads(n)
     if verbose:
         policy = os.environ.get("OMP_WAIT_POLICY", "(unset)")

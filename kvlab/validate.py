@@ -6,7 +6,6 @@ Each error says what was wrong and how to fix it.
 """
 
 from __future__ import annotations
-import numbers
 import operator
 import torch
 from . import configs   # (configs checks its counts here: imported as a module, used at call time)
@@ -41,9 +40,24 @@ def check_vocab(model, input_ids: torch.Tensor) -> None:
                          "(kvlab-tiny and GPT-2 have different vocabularies)")
 
 
+def as_int(value) -> int | None:
+    """``value`` as a Python int (an int, a numpy int, a 0-d integer tensor), or None for anything else:
+    a bool (True is an int to Python, never a count or an id to us), a float (12.0 layers is a bug
+    upstream too), a string. The one integer rule; everything below is built on it."""
+    if isinstance(value, bool) or type(value).__name__ == "bool_":
+        return None
+    if isinstance(value, torch.Tensor) and (value.dtype == torch.bool or value.is_floating_point()
+                                            or value.is_complex()):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
+
+
 def is_int(x) -> bool:
-    """An integer that is not a bool (True is an int to Python, never a count or an id to us)."""
-    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+    """An integer that is not a bool (see ``as_int``)."""
+    return as_int(x) is not None
 
 
 def check_context(total: int, limit: int | None, what: str,
@@ -134,19 +148,67 @@ def check_max_len(max_len, n_positions: int) -> int:
     return int(max_len)
 
 
-def check_int(value, what: str, minimum: int = 1) -> int:
-    """``value`` as an int >= ``minimum``, or a ValueError naming ``what``: the one integer rule.
+def check_int(value, what: str, minimum: int = 1, maximum: int | None = None, fix: str = "") -> int:
+    """``value`` as an int in ``[minimum, maximum]`` (no upper end when ``maximum`` is None), or a
+    ValueError naming ``what`` (and ``fix`` when given): the one integer rule, at every boundary.
 
-    Ints and numpy ints only: 12.5 layers is a bug upstream, and ``True`` is not 1 (a bool passed as a
-    count is almost always a flag in the wrong argument)."""
-    try:
-        n = None if isinstance(value, bool) else operator.index(value)
-    except TypeError:
-        n = None
-    if n is None or n < minimum:
-        raise ValueError(f"{what} must be an int >= {minimum}, got {value!r}")
+    Ints, numpy ints and 0-d integer tensors only: 12.5 layers is a bug upstream, and ``True`` is not
+    1 (a bool passed as a count is almost always a flag in the wrong argument)."""
+    n = as_int(value)
+    if n is None or n < minimum or (maximum is not None and n > maximum):
+        span = f">= {minimum}" if maximum is None else f"between {minimum} and {maximum}"
+        if maximum is not None and maximum < minimum:
+            span = f">= {minimum} (and none is possible here: the most is {maximum})"
+        raise ValueError(f"{what} must be an int {span}, got {value!r}" + (f"; {fix}" if fix else ""))
     return n
+
+
+def int_from_text(text: str, what: str, minimum: int = 1, fix: str = "") -> int:
+    """An integer written as text (an environment variable, a command-line value), by the same rule."""
+    try:
+        value = int(str(text).strip())
+    except ValueError:
+        value = text
+    return check_int(value, what, minimum, fix=fix)
 
 
 def check_count(value, what: str) -> int:
     return check_int(value, what, minimum=0)
+
+
+def check_model_input(model, input_ids, positions=None, select=None) -> None:
+    """The hand-built model's own entry (``GPT2.forward``), before any work: ``input_ids`` a LongTensor
+    ``[B, T]`` of this model's vocabulary on the model's device, ``positions`` on the same device,
+    ``select`` column indices in ``[0, T)``. Values are read back from CPU tensors, and from an
+    accelerator's only for a prefill (T > 1): a decode step there is not synchronised for a check."""
+    check_ids(input_ids, batched=True, hint="pass token ids (tokenizer(text, return_tensors='pt').input_ids), "
+                                            "not floats: nothing is rounded for you")
+    device = next(model.parameters()).device
+    if input_ids.device != device:
+        raise ValueError(f"input_ids are on {input_ids.device} but the model on {device}: "
+                         f"move them with input_ids.to({str(device)!r})")
+    if input_ids.device.type == "cpu" or input_ids.shape[1] > 1:
+        check_vocab(model, input_ids)
+    if isinstance(positions, torch.Tensor) and positions.device != input_ids.device:
+        raise ValueError(f"positions are on {positions.device} but input_ids on {input_ids.device}: "
+                         f"build them on the same device (positions.to({str(input_ids.device)!r}))")
+    if select is not None:
+        check_select(select, input_ids.shape[1])
+
+
+def check_select(select, T: int) -> None:
+    """Columns to keep of a forward's output: a non-empty 1-D LongTensor (or list) of indices in ``[0, T)``."""
+    fix = (f"pass a 1-D LongTensor (or a list) of column indices in [0, {T}), e.g. torch.tensor([{T - 1}]); "
+           "for the last column only, last_only=True")
+    if isinstance(select, torch.Tensor):
+        if select.dtype != torch.long or select.dim() != 1 or select.numel() == 0:
+            raise ValueError(f"select is a {select.dtype} tensor of shape {list(select.shape)}: {fix}")
+        values = select.tolist() if select.device.type == "cpu" else []
+    elif isinstance(select, (list, tuple)) and select and all(is_int(i) for i in select):
+        values = [int(i) for i in select]
+    else:
+        raise ValueError(f"select must be column indices, got {select!r}: {fix}")
+    bad = next((i for i in values if not 0 <= i < T), None)
+    if bad is not None:
+        raise ValueError(f"select holds column {bad}, outside the input's {T} columns (no negative "
+                         f"indices: -1 would drop a dimension): {fix}")

@@ -465,3 +465,137 @@ def test_static_cache_write_past_max_len_names_the_fix():
         cache.update(0, k, k)
     raises(ValueError, lambda: cache.update(0, k, k), "past the static cache's max_len of 4", "reset()")
     assert cache.seq_len == 4
+
+
+# ---- issue 35: one integer rule, caches bound to their model, the model's own entry -------------
+
+def _snap(obj):
+    """A comparable copy of an object's state (tensors cloned, containers walked)."""
+    if isinstance(obj, torch.Tensor):
+        return ("tensor", obj.dtype, tuple(obj.shape), obj.detach().cpu().clone())
+    if isinstance(obj, dict):
+        return {k: _snap(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_snap(v) for v in obj]
+    if hasattr(obj, "__dict__") and not isinstance(obj, type) and type(obj).__module__.startswith("kvlab"):
+        return {k: _snap(v) for k, v in vars(obj).items()}
+    return obj
+
+
+def _same(a, b):
+    if isinstance(a, tuple) and a and a[0] == "tensor":
+        return isinstance(b, tuple) and a[:3] == b[:3] and torch.equal(a[3], b[3])
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, list):
+        return isinstance(b, list) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def refused_unchanged(obj, call, *needles, exc=ValueError):
+    before = _snap(obj)
+    msg = raises(exc, call, *needles)
+    assert _same(before, _snap(obj)), f"the failed call changed the state ({msg})"
+    return msg
+
+
+def _filled_caches(ours):
+    from kvlab import quant_cache, static
+    cfg, ids = ours.config, torch.tensor([[5, 17, 3, 9]])
+    caches = [ours.new_cache(1, 16), kvlab_cache.ConcatCache(cfg.n_layer),
+              static.StaticKVCache(cfg.n_layer, 1, cfg.n_head, cfg.head_dim, 16),
+              quant_cache.QuantizedKVCache.for_model(ours, 1, 16, bits=8, block=2),
+              paged_cache.PagedCache(cfg.n_layer, 1, cfg.n_head, cfg.head_dim, 16, block_size=4)]
+    caches = [c for c in caches if c is not None]
+    for c in caches:
+        ours(ids, c)
+    return caches
+
+
+from kvlab import cache as kvlab_cache  # noqa: E402
+
+
+@pytest.mark.parametrize("length", [True, False, 2.0, "2", -1, 99, torch.tensor(True)])
+def test_rewind_takes_an_int_length_only(ours, length):
+    for c in _filled_caches(ours):
+        refused_unchanged(c, lambda: c.rewind(length), "rewind length", "int")
+
+
+@pytest.mark.parametrize("value", [True, 2.5, "4", None, -1])
+def test_one_integer_rule_everywhere(value):
+    from kvlab import memory, servingbench, timing
+    from kvlab.serving import Engine
+    from kvlab.serving.block_manager import BlockManager
+    cfg = catalogue.gpt2_models()["gpt2"]
+    calls = [lambda: paged.BlockAllocator(value, 4), lambda: BlockManager(value, 4),
+             lambda: servingbench.poisson_arrivals(value, 1.0), lambda: quant.check_bits(value),
+             lambda: kvlab_cache.PreallocatedCache(2, value, 2, 4, 8)]
+    if value is not None:   # None means "the default" to these two
+        calls += [lambda: memory.kv_cache_bytes(cfg, 10, value, torch.float32),
+                  lambda: timing.set_threads(value, verbose=False)]
+    for call in calls:
+        raises(ValueError, call, repr(value) if value is not None else "none")
+
+
+@pytest.mark.parametrize("env", ["0", "abc", "-2", "1.5"])
+def test_kvlab_threads_that_is_no_count_names_the_variable(monkeypatch, env):
+    from kvlab import timing
+    monkeypatch.setenv("KVLAB_THREADS", env)
+    threads = torch.get_num_threads()
+    raises(ValueError, lambda: timing.set_threads(verbose=False), "KVLAB_THREADS", env, "KVLAB_THREADS=2")
+    assert torch.get_num_threads() == threads
+
+
+def test_bench_refuses_bad_kvlab_threads_before_any_work(monkeypatch, capsys):
+    monkeypatch.setenv("KVLAB_THREADS", "abc")
+    _no_work(monkeypatch, bench)
+    _exits_2(bench.main, [], capsys, "KVLAB_THREADS", "'abc'")
+
+
+def test_a_cache_is_checked_against_every_model_that_uses_it(ours):
+    from kvlab import static
+    cfg = copy.deepcopy(ours.config)
+    cfg.n_layer = 1
+    other = gpt2.GPT2(cfg).eval()
+    ids = torch.tensor([[5, 17, 3]])
+    caches = [ours.new_cache(1, 16),
+              static.StaticKVCache(ours.config.n_layer, 1, ours.config.n_head, ours.config.head_dim, 16)]
+    for c in caches:
+        with torch.no_grad():
+            ours(ids, c)                            # bound to ours on first use
+        refused_unchanged(c, lambda: other(torch.tensor([[4]]), c), "n_layer", "model.new_cache")
+        c.reset()
+        refused_unchanged(c, lambda: other(ids, c), "n_layer", "model.new_cache")   # after a reset too
+        with torch.no_grad():
+            assert ours(ids, c).shape == (1, 3, ours.config.vocab_size)            # still fine for its own
+
+
+@pytest.mark.parametrize("ids, needles", [
+    (torch.tensor([[5.0, 17.0]]), ("LongTensor", "not floats")),
+    (torch.tensor([[5, 4096]]), ("token id 4096", "[0, 4096)")),
+    (torch.tensor([[-1, 3]]), ("token id -1", "own tokenizer")),
+    ([[5, 17]], ("LongTensor",)),
+])
+def test_the_models_own_entry_refuses_bad_ids(ours, ids, needles):
+    c = ours.new_cache(1, 16)
+    refused_unchanged(c, lambda: ours(ids, c), *needles)
+
+
+@pytest.mark.parametrize("select, needles", [
+    (torch.tensor([5]), ("column 5", "last_only=True")), (torch.tensor([1.0]), ("float32", "LongTensor")),
+    (-1, ("column indices", "last_only=True")), (torch.tensor([-1]), ("column -1", "negative")),
+    ([], ("column indices",)), (torch.tensor([[0]]), ("shape [1, 1]",)),
+])
+def test_select_out_of_range_or_not_indices_is_refused(ours, select, needles):
+    c = ours.new_cache(1, 16)
+    refused_unchanged(c, lambda: ours(torch.tensor([[5, 17, 3]]), c, select=select), *needles)
+    with torch.no_grad():
+        assert ours(torch.tensor([[5, 17, 3]]), select=torch.tensor([0, 2])).shape[1] == 2
+
+
+def test_positions_on_another_device_and_foreign_caches(ours):
+    from transformers import DynamicCache
+    ids = torch.tensor([[5, 17, 3]])
+    raises(ValueError, lambda: ours(ids, positions=torch.arange(3, device="meta")[None]), "meta", "same device")
+    raises(ValueError, lambda: ours(ids, DynamicCache()), "transformers DynamicCache", "model.new_cache")
+    raises(ValueError, lambda: ours(ids, {}), "dict", "model.new_cache")

@@ -22,6 +22,7 @@ from collections import OrderedDict, deque
 
 from ..paged import OutOfBlocks, blocks_for, blocks_to_grow
 from .sequence import Sequence
+from ..validate import check_int
 
 
 class BlockManager:
@@ -29,8 +30,7 @@ class BlockManager:
 
     def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool = True):
         for name, v in (("num_blocks", num_blocks), ("block_size", block_size)):
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+            check_int(v, name, 1)
         self.num_blocks, self.block_size, self.prefix_caching = num_blocks, block_size, prefix_caching
         self._free = deque(range(num_blocks))             # never registered (or wiped): no key
         self.cached: OrderedDict[int, None] = OrderedDict()   # registered, unreferenced: least recently used first
@@ -46,9 +46,7 @@ class BlockManager:
         return len(self._free) + len(self.cached)
 
     def refcount(self, block: int) -> int:
-        if isinstance(block, bool) or not isinstance(block, int) or not 0 <= block < self.num_blocks:
-            raise ValueError(f"block must be an int in [0, {self.num_blocks}), got {block!r}")
-        return self._ref[block]
+        return self._ref[check_int(block, "block", 0, self.num_blocks - 1, fix="a block id of this pool")]
 
     def _keys(self, tokens) -> list:
         """Chained keys of the full blocks of ``tokens``: key i names tokens[: (i + 1) * block_size]."""

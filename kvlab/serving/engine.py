@@ -19,7 +19,6 @@ completed for the others.
 from __future__ import annotations
 
 import math
-import operator
 
 from ..paged_cache import PagedPool
 from ..paged import blocks_for
@@ -28,20 +27,12 @@ from .clock import Clock, Trace
 from .runner import Runner
 from .scheduler import Scheduler
 from .sequence import Sequence, Status
-from ..validate import check_context
+from ..validate import check_context, check_int
 
 
 def _int(name: str, v, lo: int, hi: int | None = None) -> int:
-    """An int (numpy ints too; never a bool or a float) in ``[lo, hi)``."""
-    if isinstance(v, bool) or isinstance(v, float):
-        raise ValueError(f"{name} must be an int, got {v!r}")
-    try:
-        v = operator.index(v)
-    except TypeError:
-        raise ValueError(f"{name} must be an int, got {type(v).__name__} {v!r}") from None
-    if v < lo or (hi is not None and v >= hi):
-        raise ValueError(f"{name} must be in [{lo}, {hi if hi is not None else 'inf'}), got {v}")
-    return v
+    """An int in ``[lo, hi)`` by the one integer rule (``kvlab.validate.check_int``)."""
+    return check_int(v, name, lo, None if hi is None else hi - 1)
 
 
 class Engine:

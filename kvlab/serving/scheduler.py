@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 
 from ..paged import blocks_for
 from .sequence import Sequence, Status
+from ..validate import check_int
 
 ADMISSIONS = ("on-demand", "reserve", "contiguous")
 BATCHINGS = ("continuous", "static")
@@ -52,9 +53,7 @@ class Batch:
 
 
 def _positive_int(name: str, v) -> int:
-    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-        raise ValueError(f"{name} must be an int >= 1 (one token, one sequence at least), got {v!r}")
-    return v
+    return check_int(v, name, 1, fix="one token, one sequence at least")
 
 
 class Scheduler:
