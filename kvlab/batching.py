@@ -216,4 +216,8 @@ def one_by_one(model, tokenizer, prompts, max_new_tokens: int, stop_at_eos: bool
 
 def pad_fraction(attention_mask: torch.Tensor) -> float:
     """Share of a padded batch's positions that are pads (work spent on nothing)."""
+    if not isinstance(attention_mask, torch.Tensor) or attention_mask.numel() == 0:
+        raise ValueError("pad_fraction needs a non-empty attention mask [batch, T] (1 = token, 0 = pad), got "
+                         + (f"shape {list(attention_mask.shape)}" if isinstance(attention_mask, torch.Tensor)
+                            else type(attention_mask).__name__) + ": pass the tokenizer's attention_mask")
     return float((attention_mask == 0).float().mean())

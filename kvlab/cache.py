@@ -71,10 +71,39 @@ class Cache(ABC):
         """Store ``k``/``v`` of ``layer``, the tokens at ``positions``; return ``(keys, values, key_pos)``
         (see :meth:`store`). Without ``positions`` (lab 3's form) the new tokens continue the cache and
         only ``(keys, values)`` come back."""
+        if not torch.compiler.is_compiling():      # shapes and dtypes only: nothing is read back
+            self.check_update(layer, k, v, positions)
         if positions is None:
             positions = self.next_positions(k.shape[0], k.shape[2], k.device)
             return self.store(layer, k, v, positions)[:2]
         return self.store(layer, k, v, positions)
+
+    def check_update(self, layer, k, v, positions=None) -> None:
+        """Refuse, before anything is stored, what ``update`` cannot keep: a layer outside
+        ``[0, n_layer)`` (-1 would write the last layer), keys and values that are not ``[B, H, T, D]``
+        tensors alike, or of another dtype, device, head count or head size than the cache holds."""
+        check_int(layer, "layer", 0, self.n_layer - 1, fix=f"this cache holds {self.n_layer} layers, 0 to {self.n_layer - 1}")
+        if not (isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)) or k.dim() != 4 or v.shape != k.shape:
+            shapes = [list(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__ for x in (k, v)]
+            raise ValueError(f"keys and values must be tensors [batch, heads, T, head_dim] of one shape, got {shapes}")
+        held = getattr(self, "keys", None)      # a cache sized by its first update: what it holds so far
+        held = held[layer] if isinstance(held, list) and isinstance(held[layer], torch.Tensor) else None
+        want = {"dtype": getattr(self, "dtype", None), "heads": getattr(self, "n_head", None),
+                "head_dim": getattr(self, "head_dim", None)}
+        if held is not None:
+            want = {"dtype": held.dtype, "heads": held.shape[1], "head_dim": held.shape[3]} | \
+                   {k: x for k, x in want.items() if x is not None}
+        got = {"dtype": k.dtype, "heads": k.shape[1], "head_dim": k.shape[3]}
+        bad = [f"{name} {got[name]} (the cache holds {want[name]})" for name in want
+               if want[name] is not None and got[name] != want[name]]
+        if v.dtype != k.dtype:
+            bad.append(f"values of dtype {v.dtype} beside keys of {k.dtype}")
+        device = getattr(self, "device", None) or (held.device if held is not None else None)
+        if device is not None and torch.device(device).type != k.device.type:
+            bad.append(f"device {k.device} (the cache lives on {device})")
+        if bad:
+            raise ValueError("keys/values do not fit this cache: " + "; ".join(bad)
+                             + ": build the cache for this model (model.new_cache(...) or Cls.for_model(model))")
 
     @abstractmethod
     def store(self, layer: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor):

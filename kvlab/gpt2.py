@@ -35,7 +35,7 @@ import torch.nn.functional as F
 
 from .cache import EMPTY, PreallocatedCache, visible
 from .pastlen import PastLenCache, as_cache
-from .validate import check_inputs, check_model_input
+from .validate import check_inputs, check_max_len, check_model_input
 from .validate import check_context
 
 
@@ -252,7 +252,7 @@ class GPT2(nn.Module):
         ``max_len`` defaults to the whole context, ``n_positions``."""
         cfg, p = self.config, self.wte.weight
         return self.cache_cls(cfg.n_layer, batch_size, cfg.n_head, cfg.head_dim,
-                              max_len or cfg.n_positions, dtype or p.dtype, device or p.device)
+                              check_max_len(max_len, cfg.n_positions), dtype or p.dtype, device or p.device)
 
     @classmethod
     @torch.no_grad()
@@ -284,10 +284,15 @@ def check_forward(model, input_ids, cache, positions) -> None:
     """Bad input to :meth:`GPT2.forward`, refused before any work with an error naming the fix.
     Positions the cache computes itself (``positions=None``) are checked against its length only:
     no value is read back from the device on a decode step."""
+    bound = None if cache is None else check_cache_for(model, cache, input_ids.shape[0])
+    _check_positions(model, input_ids, cache, positions)
+    if bound is not None:
+        cache._checked_model = bound      # only once every check passed: a failed call leaves nothing
+
+
+def _check_positions(model, input_ids, cache, positions) -> None:
     B, T = input_ids.shape
     limit = model.config.n_positions
-    if cache is not None:
-        check_cache_for(model, cache, B)
     if positions is None:
         if cache is not None:
             cache.check_room(T, limit)
@@ -313,20 +318,24 @@ def check_forward(model, input_ids, cache, positions) -> None:
         check_after_cache(cache, positions, limit)
 
 
-def check_cache_for(model, cache, B) -> None:
+def check_cache_for(model, cache, B):
     """The cache must fit the model and the batch. The cache remembers what it was last checked
     against (the model's layers, heads, head size, dtype and device): every use by a model that
-    differs in any of them is checked again, whatever happened in between (a reset included)."""
+    differs in any of them is checked again, whatever happened in between (a reset included).
+    Returns what to remember once the whole call is checked (None: nothing new)."""
+    bound = None
     if not isinstance(cache, PastLenCache):
         p, cfg = model.wte.weight, model.config
         bound = (cfg.n_layer, cfg.n_head, cfg.n_embd, p.dtype, p.device)
-        if getattr(cache, "_checked_model", None) != bound:
+        if getattr(cache, "_checked_model", None) == bound:
+            bound = None
+        else:
             cache.check_model(cfg, p.dtype, p.device)
-            cache._checked_model = bound
     rows = cache.batch_size
     if rows is not None and rows != B:
         raise ValueError(f"the cache holds {rows} row(s) but the batch has {B}: one cache row per prompt "
                          f"(build it with model.new_cache({B}), or reset and reuse one of that size)")
+    return bound
 
 
 def check_after_cache(cache, positions, limit) -> None:

@@ -66,6 +66,12 @@ def _tag(model, name: str, kind: str):
 def _finish(model, device, dtype):
     model = model.to(device=device or "cpu", dtype=dtype)
     model.eval()
+    bad = next((n for n, p in model.named_parameters() if p.device.type != "meta" and not bool(torch.isfinite(p).all())),
+               None)   # damaged bytes load without a word and give NaN logits: refused here instead
+    if bad is not None:
+        raise ModelNotAvailable(f"weight {bad!r} of {getattr(model, 'kvlab_name', 'the model')} holds NaN or inf "
+                                f"values (in {dtype}): the checkpoint's bytes are damaged or overflow this dtype; "
+                                "copy the file again (kvlab-tiny: git checkout models/, or python models/train_tiny.py)")
     return model
 
 

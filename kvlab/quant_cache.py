@@ -127,6 +127,8 @@ class QuantizedKVCache(Cache):
             raise ValueError(f"cannot rewind to {length}: tokens up to {self.quantized_len} are already "
                              "quantized and their exact values are gone; rewind fewer tokens or use a larger "
                              "residual window")
+        if length == self.seq_len:
+            return                                   # nothing to forget (an empty cache included)
         keep = length - self.quantized_len
         self._win_k = [None if t is None else t[..., :keep, :].clone() for t in self._win_k]
         self._win_v = [None if t is None else t[..., :keep, :].clone() for t in self._win_v]

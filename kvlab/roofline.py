@@ -214,6 +214,8 @@ def _rate(value, what: str) -> float:
 
 def step_time_floor(model, batch_size: int, seq_len: int, bandwidth: float, flops: float) -> float:
     """The least time one decode step can take: the larger of moving its bytes and doing its FLOPs."""
+    batch_size = check_int(batch_size, "batch_size", 1, fix="a step decodes at least one sequence")
+    seq_len = check_int(seq_len, "seq_len", 0)
     bandwidth, flops = _rate(bandwidth, "bandwidth (bytes/s)"), _rate(flops, "flops (FLOP/s)")
     return max(decode_step_bytes(model, batch_size, seq_len) / bandwidth,
                decode_step_flops(model, batch_size, seq_len) / flops)
@@ -370,6 +372,7 @@ def _meta_model(name_or_config, dtype):
                   if k not in ("name", "hf_repo", "parameters", "note", "source", "attention")
                   and not k.startswith("_")}
         config = AutoConfig.for_model(fields.pop("model_type", "gpt2"), **fields)
+    kv_dims(config)        # layers, heads, head size: ints >= 1, refused here rather than built as 0 layers
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=as_dtype(dtype))
     if isinstance(name_or_config, str):

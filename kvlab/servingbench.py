@@ -36,6 +36,11 @@ from .validate import check_int
 def random_workload(n: int, vocab_size: int, prompt_len=(4, 48), new_tokens=(4, 64), seed: int = 0,
                     prefix: list[int] | None = None) -> list[tuple[list[int], int]]:
     """``n`` requests ``(prompt, max_new_tokens)`` with lengths drawn uniformly from the ranges."""
+    check_int(n, "n (requests)", 1)
+    check_int(vocab_size, "vocab_size", 2, fix="the prompts draw ids from 1 to vocab_size - 1")
+    for what, (lo, hi) in (("prompt_len", prompt_len), ("new_tokens", new_tokens)):
+        check_int(hi, f"{what}'s upper end", check_int(lo, f"{what}'s lower end", 1,
+                                                         fix="a request has one token at least"))
     g = torch.Generator().manual_seed(seed)
     out = []
     for _ in range(n):

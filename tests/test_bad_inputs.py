@@ -599,3 +599,74 @@ def test_positions_on_another_device_and_foreign_caches(ours):
     raises(ValueError, lambda: ours(ids, positions=torch.arange(3, device="meta")[None]), "meta", "same device")
     raises(ValueError, lambda: ours(ids, DynamicCache()), "transformers DynamicCache", "model.new_cache")
     raises(ValueError, lambda: ours(ids, {}), "dict", "model.new_cache")
+
+
+# ---- issue 35: silent wrong values at the edges, raw tracebacks, messages naming the wrong thing ----
+
+def test_keys_that_do_not_fit_a_cache_are_refused_before_storing(ours):
+    cfg = ours.config
+    k = torch.randn(1, cfg.n_head, 1, cfg.head_dim)
+    pos = torch.zeros(1, 1, dtype=torch.long)
+    for c in (ours.new_cache(1, 8), kvlab_cache.ConcatCache(cfg.n_layer)):
+        c.update(0, k, k, pos)
+        refused_unchanged(c, lambda: c.update(-1, k, k, pos + 1), "layer", "between 0 and 3")
+        refused_unchanged(c, lambda: c.update(0, k.double(), k.double(), pos + 1), "float64", "build the cache")
+        refused_unchanged(c, lambda: c.update(0, k.to("meta"), k.to("meta"), pos + 1), "meta", "build the cache")
+        refused_unchanged(c, lambda: c.update(0, k[:, :2], k[:, :2], pos + 1), "heads 2", "build the cache")
+        refused_unchanged(c, lambda: c.update(0, k[0], k[0], pos + 1), "[batch, heads, T, head_dim]")
+
+
+def test_sizes_that_are_no_sizes_are_refused(ours):
+    raises(ValueError, lambda: ours.new_cache(1, 0), "max_len must be an int >= 1", "max_len=None")
+    raises(ValueError, lambda: ours.new_cache(0, 8), "batch_size must be an int >= 1")
+    cfg = ours.config
+    pc = paged_cache.PagedCache(cfg.n_layer, 1, cfg.n_head, cfg.head_dim, 8, block_size=16)
+    refused_unchanged(pc, lambda: ours(torch.randint(0, 100, (1, 15)), pc), "max_len of 8", "larger max_len")
+    raises(ValueError, lambda: paged_cache.PagedCache(cfg.n_layer, 1, cfg.n_head, cfg.head_dim, 0),
+           "max_len must be an int >= 1")          # not num_blocks, which the caller never passed
+    from kvlab import batching
+    raises(ValueError, lambda: batching.pad_fraction(torch.ones(0, 0)), "non-empty attention mask", "attention_mask")
+    raises(ValueError, lambda: roofline.step_time_floor(roofline.meta_model("gpt2"), 0, 10, 1e9, 1e9),
+           "batch_size", "at least one sequence")
+    raises(ValueError, lambda: roofline.meta_model({"model_type": "gpt2", "n_layer": -2}), "layers", "got -2")
+
+
+@pytest.mark.parametrize("kw, needles", [
+    (dict(n=-1), ("n (requests)", ">= 1")), (dict(n=0), ("n (requests)",)),
+    (dict(prompt_len=(0, 0)), ("prompt_len", "one token at least")), (dict(vocab_size=1), ("vocab_size", ">= 2")),
+    (dict(new_tokens=(3, 1)), ("new_tokens's upper end",)),
+])
+def test_a_workload_is_never_empty_or_of_empty_prompts(kw, needles):
+    from kvlab import servingbench
+    raises(ValueError, lambda: servingbench.random_workload(**{"n": 3, "vocab_size": 100, **kw}), *needles)
+
+
+def test_the_engine_refuses_a_dict_prompt_and_numbers_requests_without_clashes(ours, tiny):
+    from kvlab.serving import Engine
+    eng = Engine(ours, num_blocks=16, block_size=4)
+    eng.submit([1, 2], 2, rid=0 + 1)
+    refused_unchanged(eng.scheduler, lambda: eng.submit({1: "a", 2: "b"}, 2), "got dict", "tokenizer(text).input_ids")
+    assert eng.submit([1, 2], 2).rid == 0 and eng.submit([3, 4], 2).rid == 2    # no clash with the given 1
+    msg = raises(ValueError, lambda: eng.submit([1, 2], 2, rid=1), "request id 1 is already used")
+    assert "or none" in msg
+    raises(ValueError, lambda: Engine(tiny[0], num_blocks=16, block_size=4), "GPT2LMHeadModel", "GPT2.from_hf")
+    raises(ValueError, lambda: Engine(ours, num_blocks=16, block_size=4, max_len=0), "max_len", ">= 1")
+
+
+def test_a_no_op_rewind_of_an_empty_quantized_cache_is_fine(ours):
+    from kvlab import quant_cache
+    q = quant_cache.QuantizedKVCache.for_model(ours, 1, 16, bits=8, block=2)
+    q.rewind(0)
+    assert q.seq_len == 0
+    pool = paged_cache.PagedPool.for_model(ours, 4, 4)
+    refused_unchanged(pool, lambda: pool.rewind("nope", 0), "no sequence 'nope' is held")
+
+
+def test_weights_with_nan_bytes_are_refused_at_load(tiny_copy):
+    f = tiny_copy / "model.safetensors"
+    data = bytearray(f.read_bytes())
+    start = 8 + int.from_bytes(data[:8], "little")
+    start += (-start) % 4 + 4096
+    data[start:start + 64] = b"\x00\x00\xc0\x7f" * 16          # float32 NaN, in the middle of a weight
+    f.write_bytes(bytes(data))
+    raises(loading.ModelNotAvailable, lambda: loading.load(str(tiny_copy)), "NaN or inf", "copy the file again")

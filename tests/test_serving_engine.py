@@ -197,11 +197,11 @@ def test_block_manager_failure_leaves_no_trace():
 
 @pytest.mark.parametrize("prompt,m,kw,needle", [
     ([1, 2], 200, {}, "context"),
-    ([1, V], 2, {}, "prompt token #1"),
-    ([-1, 2], 2, {}, "prompt token #0"),
-    ([1.0, 2], 2, {}, "must be an int"),
-    ([], 2, {}, "non-empty"),
-    ("hello", 2, {}, "non-empty"),
+    ([1, V], 2, {}, "position 1"),
+    ([-1, 2], 2, {}, "position 0"),
+    ([1.0, 2], 2, {}, "must be ints"),
+    ([], 2, {}, "empty"),
+    ("hello", 2, {}, "list of int token ids"),
     ([1, 2], True, {}, "max_new_tokens"),
     ([1, 2], 0, {}, "max_new_tokens"),
     ([1, 2], 2, dict(eos_token_id=V), "eos_token_id"),

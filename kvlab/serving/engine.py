@@ -27,12 +27,30 @@ from .clock import Clock, Trace
 from .runner import Runner
 from .scheduler import Scheduler
 from .sequence import Sequence, Status
-from ..validate import check_context, check_int
+from ..validate import check_context, check_int, check_prompt
 
 
 def _int(name: str, v, lo: int, hi: int | None = None) -> int:
     """An int in ``[lo, hi)`` by the one integer rule (``kvlab.validate.check_int``)."""
     return check_int(v, name, lo, None if hi is None else hi - 1)
+
+
+def check_servable(model):
+    """The engine runs ``model(ids, cache=..., positions=..., select=...)`` (kvlab's GPT2 and its fakes):
+    refused at construction, not as an error in every request."""
+    import inspect
+
+    try:
+        params = inspect.signature(model.forward).parameters
+    except (AttributeError, TypeError, ValueError):
+        params = {}
+    missing = [p for p in ("cache", "select") if p not in params]
+    cfg = getattr(model, "config", None)
+    if missing or not all(hasattr(cfg, f) for f in ("vocab_size", "n_positions")):
+        raise ValueError(f"the engine serves kvlab's hand-built model (forward(ids, cache, positions, select)); "
+                         f"{type(model).__name__} has no {' or '.join(missing) or 'config.vocab_size/n_positions'}: "
+                         "wrap a transformers model with kvlab.gpt2.GPT2.from_hf(model)")
+    return model
 
 
 class Engine:
@@ -43,7 +61,7 @@ class Engine:
                  batching: str = "continuous", prefix_caching: bool = True, max_len: int | None = None,
                  allocator_cls=None, gather=None, clock: Clock | None = None, scheduler_cls=Scheduler,
                  block_manager_cls=BlockManager):
-        self.model, self.config = model, model.config
+        self.model, self.config = check_servable(model), model.config
         _int("num_blocks", num_blocks, 1)
         _int("block_size", block_size, 1)
         self.blocks = (block_manager_cls(num_blocks, block_size, prefix_caching) if allocator_cls is None
@@ -76,15 +94,17 @@ class Engine:
 
     def _new_sequence(self, prompt, max_new_tokens, eos_token_id, rid, arrival) -> Sequence:
         vocab, ctx = self.config.vocab_size, self.config.n_positions
-        if isinstance(prompt, (str, bytes)) or not hasattr(prompt, "__len__") or len(prompt) == 0:
-            raise ValueError("prompt must be a non-empty list of token ids (tokenize text first)")
-        ids = tuple(_int(f"prompt token #{i}", t, 0, vocab) for i, t in enumerate(prompt))
+        ids = tuple(check_prompt(prompt, vocab))     # a list, a tuple or a 1-D LongTensor of ids: never a dict
+
         m = _int("max_new_tokens", max_new_tokens, 1)
         check_context(len(ids) + m, ctx, f"prompt ({len(ids)} tokens) + max_new_tokens ({m})")
         eos = None if eos_token_id is None else _int("eos_token_id", eos_token_id, 0, vocab)
-        rid = len(self.seqs) if rid is None else rid
-        if rid in self.seqs or any(p.rid == rid for p in self.prefixes):
-            raise ValueError(f"request id {rid!r} is already used: give each request its own id")
+        used = set(self.seqs) | {p.rid for p in self.prefixes}
+        if rid is None:                              # the first free number: never a clash the caller did not make
+            rid = next(i for i in range(len(used) + 1) if i not in used)
+        elif rid in used:
+            raise ValueError(f"request id {rid!r} is already used: give each request its own id (or none: "
+                             "the engine numbers it)")
         if isinstance(arrival, bool) or not isinstance(arrival, (int, float)) or not math.isfinite(arrival) \
                 or arrival < 0:
             raise ValueError(f"arrival must be a finite number of seconds >= 0, got {arrival!r}")

@@ -65,7 +65,7 @@ class Scheduler:
         if admission not in ADMISSIONS or batching not in BATCHINGS:
             raise ValueError(f"admission must be one of {ADMISSIONS} and batching one of {BATCHINGS}, got "
                              f"{admission!r}, {batching!r}")
-        if admission == "contiguous":
+        if admission == "contiguous" or max_len is not None:
             _positive_int("max_len (the contiguous reservation per sequence)", max_len)
         self.blocks, self.chunked, self.admission, self.batching = blocks, chunked_prefill, admission, batching
         self.max_len = max_len
