@@ -15,6 +15,7 @@ Rules the book follows (and this module enforces):
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass, field
 from statistics import median
 from typing import Callable
@@ -116,3 +117,62 @@ def compare(fns: dict[str, Callable[[], object]], warmup: int = 1, repeats: int 
 def ratio(a: Timing, b: Timing) -> float:
     """How many times slower ``a`` is than ``b`` (median over median)."""
     return a.median / b.median
+
+
+class Budget:
+    """The seconds one chapter measurement may take: a slow or busy machine measures fewer points
+    instead of failing the build (the per-cell timeout is only a guard against a hang).
+
+        budget = timing.Budget(timing.pick(120, 40), "the speed-up sweep")
+        runs = {n: measure_one(n) for n in budget.points(Ns, size=lambda n: n * n)}
+        budget.report()        # says which points the budget left out, if any
+
+    ``points`` yields the grid in its order (cheapest first) and stops before a point that, judged
+    by the last point's time scaled by ``size`` (the point's expected cost; the point itself by
+    default), would end past the budget. The first ``keep`` points are always measured, so a
+    comparison or a trend always has something to stand on. ``KVLAB_BUDGET_SCALE`` multiplies every
+    budget (0.1 to see the cuts on a fast machine, 10 for a patient one)."""
+
+    def __init__(self, seconds: float, what: str = "this measurement", keep: int = 2):
+        try:
+            scale = float(os.environ.get("KVLAB_BUDGET_SCALE", "1") or 1)
+        except ValueError:
+            raise ValueError(f"KVLAB_BUDGET_SCALE must be a number (a factor on every time budget), got "
+                             f"{os.environ['KVLAB_BUDGET_SCALE']!r}; unset it or set e.g. KVLAB_BUDGET_SCALE=2") from None
+        if not (seconds > 0 and scale > 0):
+            raise ValueError(f"a time budget must be > 0 seconds, got {seconds} (KVLAB_BUDGET_SCALE={scale})")
+        self.seconds, self.what = seconds * scale, what
+        self.keep = validate.check_int(keep, "keep (points always measured)", 1)
+        self.done: list = []
+        self.skipped: list = []
+        self.elapsed = 0.0
+
+    def points(self, grid, size: Callable[[object], float] = float):
+        grid, self.done, self.skipped = list(grid), [], []
+        start, last = time.perf_counter(), None
+        for i, p in enumerate(grid):
+            self.elapsed = time.perf_counter() - start
+            if i >= self.keep and last is not None:
+                t, s = last
+                if self.elapsed + t * max(size(p) / s, 1.0) > self.seconds:
+                    self.skipped = grid[i:]
+                    return
+            t0 = time.perf_counter()
+            yield p
+            last = (time.perf_counter() - t0, max(float(size(p)), 1e-9))
+            self.done.append(p)
+        self.elapsed = time.perf_counter() - start
+
+    @property
+    def note(self) -> str:
+        """A sentence for the output: which points the budget left out ("" when none)."""
+        if not self.skipped:
+            return ""
+        n = len(self.done) + len(self.skipped)
+        return (f"{self.what}: its time budget of {self.seconds:.3g} s was spent after {len(self.done)} of {n} "
+                f"points ({self.elapsed:.3g} s on this machine, as loaded as it was); not measured: "
+                f"{self.skipped}. A faster or quieter machine measures them.")
+
+    def report(self) -> None:
+        if self.note:
+            print(self.note)
