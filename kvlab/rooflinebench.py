@@ -160,12 +160,16 @@ def profile_step(model, batch_size: int, seq_len: int, steps: int = 5) -> dict[s
 
 
 def sweep(model, points, bandwidth: float, flops: float, vary: str = "batch", fixed: int = 64,
-          repeats: int = 5) -> list[dict]:
+          repeats: int = 5, budget: timing.Budget | None = None) -> list[dict]:
     """Measured step time and the floor's terms along ``points`` batch sizes (``vary="batch"``,
-    at ``fixed`` cached positions) or positions (``vary="seq"``, at batch ``fixed``)."""
-    rows = []
-    for p in progress.bar(points, desc=f"{vary} sweep", leave=False):
-        B, S = (p, fixed) if vary == "batch" else (fixed, p)
+    at ``fixed`` cached positions) or positions (``vary="seq"``, at batch ``fixed``); with a
+    ``budget`` the sweep stops adding points when it is spent (``budget.note`` says which)."""
+    rows, points = [], list(points)
+    at = lambda p: (p, fixed) if vary == "batch" else (fixed, p)   # noqa: E731
+    floor = lambda p: roofline.step_terms(model, *at(p), bandwidth, flops)["floor"]   # noqa: E731  the cost's shape
+    grid = budget.points(points, size=floor) if budget is not None else points
+    for p in progress.bar(grid, total=len(points), desc=f"{vary} sweep", leave=False):
+        B, S = at(p)
         t = roofline.step_terms(model, B, S, bandwidth, flops)
         rows.append(dict(batch=B, seq=S, measured=step_time(model, B, S, repeats), **t))
     return rows

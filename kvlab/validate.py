@@ -99,6 +99,12 @@ def check_prompt(prompt, vocab_size: int | None = None) -> list[int]:
             raise ValueError(f"a prompt tensor must be a LongTensor of shape [T] or [1, T], got {prompt.dtype} "
                              f"{list(prompt.shape)}; use tokenizer(text).input_ids")
         prompt = prompt.flatten().tolist()
+    kind = getattr(getattr(prompt, "dtype", None), "kind", None)     # a numpy array: ints only, one row
+    if kind is not None and not isinstance(prompt, torch.Tensor):
+        if kind not in "iu" or getattr(prompt, "ndim", 0) != 1:
+            raise ValueError(f"a prompt array must be 1-D of ints, got dtype {prompt.dtype} with shape "
+                             f"{list(prompt.shape)}; use tokenizer(text).input_ids")
+        prompt = prompt.tolist()
     if isinstance(prompt, (str, bytes)) or not isinstance(prompt, (list, tuple)):
         raise ValueError(f"a prompt must be a list of int token ids, got {type(prompt).__name__}; "
                          "encode text first: tokenizer(text).input_ids")
@@ -197,14 +203,15 @@ def check_model_input(model, input_ids, positions=None, select=None) -> None:
 
 
 def check_select(select, T: int) -> None:
-    """Columns to keep of a forward's output: a non-empty 1-D LongTensor (or list) of indices in ``[0, T)``."""
+    """Columns to keep of a forward's output: a 1-D LongTensor (or list) of indices in ``[0, T)``
+    (empty: a step that needs no logits, e.g. the serving engine's step of prefill chunks only)."""
     fix = (f"pass a 1-D LongTensor (or a list) of column indices in [0, {T}), e.g. torch.tensor([{T - 1}]); "
            "for the last column only, last_only=True")
     if isinstance(select, torch.Tensor):
-        if select.dtype != torch.long or select.dim() != 1 or select.numel() == 0:
+        if select.dtype != torch.long or select.dim() != 1:     # empty is fine: a step of prefill chunks only
             raise ValueError(f"select is a {select.dtype} tensor of shape {list(select.shape)}: {fix}")
         values = select.tolist() if select.device.type == "cpu" else []
-    elif isinstance(select, (list, tuple)) and select and all(is_int(i) for i in select):
+    elif isinstance(select, (list, tuple)) and all(is_int(i) for i in select):
         values = [int(i) for i in select]
     else:
         raise ValueError(f"select must be column indices, got {select!r}: {fix}")

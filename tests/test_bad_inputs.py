@@ -584,7 +584,7 @@ def test_the_models_own_entry_refuses_bad_ids(ours, ids, needles):
 @pytest.mark.parametrize("select, needles", [
     (torch.tensor([5]), ("column 5", "last_only=True")), (torch.tensor([1.0]), ("float32", "LongTensor")),
     (-1, ("column indices", "last_only=True")), (torch.tensor([-1]), ("column -1", "negative")),
-    ([], ("column indices",)), (torch.tensor([[0]]), ("shape [1, 1]",)),
+    ([1.5], ("column indices",)), (torch.tensor([[0]]), ("shape [1, 1]",)),
 ])
 def test_select_out_of_range_or_not_indices_is_refused(ours, select, needles):
     c = ours.new_cache(1, 16)

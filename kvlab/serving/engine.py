@@ -44,7 +44,10 @@ def check_servable(model):
         params = inspect.signature(model.forward).parameters
     except (AttributeError, TypeError, ValueError):
         params = {}
-    missing = [p for p in ("cache", "select") if p not in params]
+    wrapper = any(p.kind is p.VAR_KEYWORD for p in params.values())     # forward(*args, **kwargs): a wrapper
+    missing = [] if wrapper else [p for p in ("cache", "select") if p not in params]
+    if type(model).__module__.split(".")[0] == "transformers":
+        missing = ["select (a transformers model)"]
     cfg = getattr(model, "config", None)
     if missing or not all(hasattr(cfg, f) for f in ("vocab_size", "n_positions")):
         raise ValueError(f"the engine serves kvlab's hand-built model (forward(ids, cache, positions, select)); "
