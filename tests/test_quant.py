@@ -33,6 +33,7 @@ def test_pack_unpack_round_trip(bits):
     if bits == 4:
         assert torch.equal(p[..., 0], q[..., 0] | (q[..., 1] << 4))      # low nibble first
     if bits == 2:
+        assert torch.equal(p[..., 0], q[..., 0] | (q[..., 1] << 2) | (q[..., 2] << 4) | (q[..., 3] << 6))
 
 
 def test_pack_rejects_bad_input():
