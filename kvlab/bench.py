@@ -28,6 +28,7 @@ import torch
 from . import gpt2, harness, loading, probes, provenance, reference, roofline, static, staticbench, timing
 from .cli import at_least
 from .reference import cached_generate, hf_greedy, naive_generate
+from .validate import check_context
 
 
 class BadArguments(ValueError):
@@ -41,10 +42,11 @@ def run(model_name: str, new_tokens: int, prompt_len: int, repeats: int, threads
     hf, _ = loading.load(model_name, device=device)
     provenance.banner(hf, device)
     ours = gpt2.GPT2.from_hf(hf).to(device).eval()
-    ctx = hf.config.n_positions
-    if prompt_len + new_tokens > ctx:
-        raise BadArguments(f"--prompt-len {prompt_len} + --new-tokens {new_tokens} = {prompt_len + new_tokens} "
-                           f"exceeds {model_name}'s context of {ctx} positions; ask for fewer")
+    try:
+        check_context(prompt_len + new_tokens, hf.config.n_positions,
+                      f"--prompt-len {prompt_len} + --new-tokens {new_tokens} of {model_name}", "ask for fewer")
+    except ValueError as e:
+        raise BadArguments(str(e)) from None
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, hf.config.vocab_size, (1, prompt_len), generator=g).to(device)
 
@@ -85,7 +87,7 @@ def _print_results(res, hf, device, prompt_len: int, new_tokens: int) -> dict[st
 
 
 # The compiled generators of chapter 8, each with the eager generator it replaces.
-_COMPILED = {"transformers generate, StaticCache, compiled": "transformers generate (DynamicCache)",
+_COMPILED = {"transformers generate, StaticKVCache, compiled": "transformers generate (DynamicCache)",
              "kvlab hand-built GPT-2, static cache, compiled": "kvlab hand-built GPT-2, preallocated cache"}
 
 

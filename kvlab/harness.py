@@ -16,15 +16,7 @@ from __future__ import annotations
 
 import torch
 from .gpt2 import generate
-
-
-def first_difference(a: torch.Tensor, b: torch.Tensor) -> int | None:
-    """Index (along the last dim) of the first token where ``a`` and ``b`` differ; None if identical,
-    0 if their shapes differ."""
-    if a.shape != b.shape:
-        return 0
-    diff = (a.cpu() != b.cpu()).nonzero()
-    return None if diff.numel() == 0 else int(diff[0, -1])
+from .reference import first_difference
 
 
 def token_check(runs: dict, reference: str | None = None) -> dict:

@@ -17,7 +17,7 @@ copied before anyone appends to it (copy-on-write).
     block, offset, copy_from = alloc.append_slot("a")   # where token 41 goes
     alloc.fork("a", "b"); alloc.free("a"); alloc.free("b")
 
-:class:`PagedKVCache` puts the pool and an allocator together for the scheduler of
+:class:`PagedPool` puts the pool and an allocator together for the scheduler of
 :mod:`kvlab.serving`; :class:`PagedCache` wraps it in chapter 3's ``Cache`` interface so
 ``kvlab.gpt2.generate`` runs on paged memory unchanged.
 """

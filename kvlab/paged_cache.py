@@ -1,6 +1,6 @@
 """Paged memory in the one cache interface (chapter 9): the pool of blocks and chapter 3's ``Cache`` on it.
 
-:class:`PagedKVCache` puts the pool and an allocator together for the scheduler of
+:class:`PagedPool` puts the pool and an allocator together for the scheduler of
 :mod:`kvlab.serving`; :class:`PagedCache` wraps it in chapter 3's ``Cache`` interface so
 ``kvlab.gpt2.generate`` runs on paged memory unchanged. The allocator and the gathers are in
 :mod:`kvlab.paged`.
@@ -10,9 +10,11 @@ from __future__ import annotations
 import torch
 from .cache import Cache, EMPTY
 from .paged import BlockAllocator, OutOfBlocks, _count, batched_gather, block_index, blocks_for, blocks_to_grow, joined_gather
+from .validate import check_context
+from .configs import kv_dims
 
 
-class PagedKVCache(Cache):
+class PagedPool(Cache):
     """One pool of blocks per layer for keys and one for values, plus the allocator that hands them out.
 
     In the one interface it serves a *ragged* step: ``B = 1`` row of ``N`` tokens from several
@@ -26,6 +28,8 @@ class PagedKVCache(Cache):
     ``gather=None`` reads a batch with :func:`batched_gather`; otherwise ``gather(pool, table, n)`` is
     called once per sequence and layer (like :func:`paged_gather`).
     """
+
+    bookkeeping = ("_plan",)
 
     def __init__(self, n_layer: int, n_head: int, head_dim: int, num_blocks: int, block_size: int,
                  dtype=torch.float32, device="cpu", allocator_cls=BlockAllocator, gather=None):
@@ -44,10 +48,9 @@ class PagedKVCache(Cache):
         self._plan = None                      # the current step (begin_step)
 
     @classmethod
-    def for_model(cls, model, num_blocks: int, block_size: int, **kwargs) -> "PagedKVCache":
+    def for_model(cls, model, num_blocks: int, block_size: int, **kwargs) -> "PagedPool":
         cfg, p = model.config, next(model.parameters())
-        return cls(cfg.n_layer, cfg.n_head, cfg.n_embd // cfg.n_head, num_blocks, block_size,
-                   p.dtype, p.device, **kwargs)
+        return cls(*kv_dims(cfg), num_blocks, block_size, p.dtype, p.device, **kwargs)
 
     def reserve(self, seq_id, n: int) -> list[tuple[int, int]]:
         """``(block, offset)`` slots for ``n`` more tokens of ``seq_id`` (a new sequence is allocated);
@@ -202,7 +205,7 @@ def ragged_key_pos(valid: torch.Tensor, owner: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def ragged_forward(model, cache: PagedKVCache, seq_ids: list, new_tokens: list[list[int]]) -> torch.Tensor:
+def ragged_forward(model, cache: PagedPool, seq_ids: list, new_tokens: list[list[int]]) -> torch.Tensor:
     """The model's one forward over a ragged step: sequence ``seq_ids[i]`` appends ``new_tokens[i]`` (a
     whole prompt, a prompt's suffix after a shared prefix, or one decode token). All tokens go in one
     row ``[1, N]``; returns the logits of each sequence's last new token, ``[len(seq_ids), vocab]``."""
@@ -210,8 +213,8 @@ def ragged_forward(model, cache: PagedKVCache, seq_ids: list, new_tokens: list[l
     limit = model.config.n_positions
     if not lens or min(lens) < 1:
         raise ValueError("every sequence of a step needs at least one new token")
-    if max(cache.lengths.get(s, 0) + n for s, n in zip(seq_ids, lens)) > limit:
-        raise ValueError(f"a sequence would exceed GPT-2's context of {limit} positions")
+    check_context(max(cache.lengths.get(s, 0) + n for s, n in zip(seq_ids, lens)), limit,
+                  "a sequence's cached + new tokens", "finish it before it grows past the context")
     dev = model.wte.weight.device
     cache.begin_step(seq_ids, lens)
     ids = torch.tensor([t for toks in new_tokens for t in toks], device=dev)[None]
@@ -227,10 +230,12 @@ class PagedCache(Cache):
     tokens but a sequence takes blocks only as it grows.
     """
 
+    bookkeeping = ("_slots",)
+
     def __init__(self, n_layer, batch_size, n_head, head_dim, max_len, dtype=torch.float32, device="cpu",
                  block_size: int = 16):
         num_blocks = batch_size * blocks_for(max_len, block_size)
-        self.paged = PagedKVCache(n_layer, n_head, head_dim, num_blocks, block_size, dtype, device)
+        self.paged = PagedPool(n_layer, n_head, head_dim, num_blocks, block_size, dtype, device)
         self.n_layer, self.batch_size, self._len = n_layer, batch_size, 0
         self.n_head, self.head_dim, self.dtype, self.device = n_head, head_dim, dtype, self.paged.device
         self._slots = None

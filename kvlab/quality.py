@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 from .validate import _is_int, check_vocab
 from .configs import context_length
+from .validate import check_context
 
 
 @torch.no_grad()
@@ -50,6 +51,5 @@ def _window_args(model, ids, window, batch, max_windows) -> torch.Tensor:
     for value, what, lo in ((window, "window", 2), (batch, "batch", 1), (max_windows, "max_windows", 1)):
         if not (value is None and what == "max_windows") and (not _is_int(value) or value < lo):
             raise ValueError(f"{what} must be an int >= {lo}, got {value!r}")
-    if ctx is not None and window > ctx:
-        raise ValueError(f"window={window} exceeds the model's context of {ctx} positions; pass at most that")
+    check_context(window, ctx, "window", "pass at most that")
     return ids

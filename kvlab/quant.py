@@ -19,7 +19,7 @@ tensor ``[batch, heads, tokens, head_dim]``:
 * ``dim=(1, 2, 3)`` per tensor: one scale per sequence for everything.
 
 Codes of 4 and 2 bits are packed two and four to a byte (``pack``/``unpack``), so storage really
-shrinks. :class:`QuantizedCache` puts it together (keys per channel, values per token, a residual
+shrinks. :class:`QuantizedKVCache` puts it together (keys per channel, values per token, a residual
 window of recent tokens in full precision); :class:`AbsmaxFakeInt8Cache` reproduces article A's
 scheme, which saves nothing. :func:`score_through_cache` and :func:`compare` measure quality.
 """

@@ -2,7 +2,7 @@
 
 Greedy, batch 1: ``input_ids`` is a ``LongTensor [1, T]`` and the result ``[1, T + max_new_tokens]``,
 prompt included. Chapter 1's naive generator (no cache), chapter 2's cached one, transformers'
-``generate`` itself, and its compiled ``StaticCache`` generate (chapter 8).
+``generate`` itself, and its compiled ``StaticKVCache`` generate (chapter 8).
 """
 
 from __future__ import annotations
@@ -107,3 +107,12 @@ def hf_static_generate(model, input_ids, max_new_tokens: int, compile_config=Non
     return model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
                           max_new_tokens=max_new_tokens, eos_token_id=None,
                           pad_token_id=model.config.eos_token_id, cache_implementation="static", **how)
+
+
+def first_difference(a: torch.Tensor, b: torch.Tensor) -> int | None:
+    """Index (along the last dim) of the first token where ``a`` and ``b`` differ; None if identical,
+    0 if their shapes differ."""
+    if a.shape != b.shape:
+        return 0
+    diff = (a.cpu() != b.cpu()).nonzero()
+    return None if diff.numel() == 0 else int(diff[0, -1])

@@ -20,9 +20,9 @@ import random
 import torch
 
 from . import progress
-from .gpt2 import generate
+from .serving.reference import References
 from .paged import BlockAllocator, blocks_for
-from .paged_cache import PagedKVCache
+from .paged_cache import PagedPool
 from .roofline import _lm_head, cache_read_bytes, matmul_weights, weight_bytes
 from .serving import BlockManager, Engine, Runner, Sequence, Status
 from .timing import Timing, compare
@@ -30,17 +30,6 @@ from .verdicts import NOISE, on, told_apart
 
 # ---------------------------------------------------------------------------------------------------
 # Workloads and the reference
-
-
-@torch.no_grad()
-def reference_tokens(model, prompt, max_new_tokens: int, eos_token_id=None) -> list[int]:
-    """What the hand-built GPT-2 generates for this prompt alone (chapter 3's cached greedy loop)."""
-
-    ids = torch.tensor([list(prompt)], device=model.wte.weight.device)
-    new = generate(model, ids, max_new_tokens)[0, len(prompt):].tolist()
-    if eos_token_id is not None and eos_token_id in new:
-        new = new[:new.index(eos_token_id) + 1]
-    return new
 
 
 def random_workload(n: int, vocab_size: int, prompt_len=(4, 48), new_tokens=(4, 64), seed: int = 0,
@@ -80,23 +69,6 @@ def serve(model, workload, arrivals=None, eos_token_id=None, prefix=None, **engi
         eng.submit(prompt, m, eos_token_id, arrival=arrivals[i] if arrivals else 0.0)
     eng.run()
     return eng
-
-
-class References:
-    """Each prompt's tokens generated alone, computed once (the invariant is checked on every run)."""
-
-    def __init__(self, model):
-        self.model, self.done = model, {}
-
-    def __call__(self, seq: Sequence) -> list[int]:
-        key = (seq.prompt, seq.max_new_tokens, seq.eos_token_id)
-        if key not in self.done:
-            self.done[key] = reference_tokens(self.model, seq.prompt, seq.max_new_tokens, seq.eos_token_id)
-        return self.done[key]
-
-    def mismatches(self, eng: Engine) -> list:
-        """Ids of the requests that did not finish with their prompt's tokens generated alone."""
-        return [s.rid for s in eng.seqs.values() if s.status is not Status.FINISHED or s.output != self(s)]
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -193,7 +165,7 @@ def prepared_steps(model, rows: int, context: int, prompt_len: int, block_size: 
 
     nb = rows * blocks_for(context + 1, block_size) + blocks_for(prompt_len, block_size)
     bm = BlockManager(nb, block_size, prefix_caching=False)
-    runner, rng, vocab = Runner(model, PagedKVCache.for_model(model, nb, block_size), gather), random.Random(0), \
+    runner, rng, vocab = Runner(model, PagedPool.for_model(model, nb, block_size), gather), random.Random(0), \
         model.config.vocab_size
     decode = []
     for i in range(rows):

@@ -247,8 +247,8 @@ def profile_compiled_step(dec, steps: int = 5, rounds: int = 3) -> dict[str, tim
     in place), so it runs as often as needed and reads all ``max_len`` slots like any other step."""
     from torch.profiler import ProfilerActivity, profile, record_function
 
-    if not getattr(dec, "compiled", False) or not isinstance(dec.cache, static.StaticCache):
-        raise ValueError("profile_compiled_step needs a StaticDecoder with its own StaticCache, compiled "
+    if not getattr(dec, "compiled", False) or not isinstance(dec.cache, static.StaticKVCache):
+        raise ValueError("profile_compiled_step needs a StaticDecoder with its own StaticKVCache, compiled "
                          "and run once: StaticDecoder(model, max_len=...).compile(), then .generate(...)")
     cuda, last = dec.ids.device.type == "cuda", dec.max_len - 1
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])

@@ -46,17 +46,24 @@ def _is_int(x) -> bool:
     return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
 
+def check_context(total: int, limit: int | None, what: str,
+                  fix: str = "shorten the prompt or ask for fewer tokens") -> None:
+    """The one rule of GPT-2's context: ``total`` positions must fit its ``limit`` (``n_positions``).
+
+    There is no position embedding beyond the context, so nothing is truncated for the caller: the
+    error names what went past it (``what``) and how to fix it (``fix``)."""
+    if limit is not None and total > limit:
+        raise ValueError(f"{what} = {total} exceeds the model's context of n_positions={limit} (GPT-2 has "
+                         f"no position embedding beyond it): {fix}")
+
+
 def check_budget(model, prompt_len: int, max_new_tokens: int, what: str = "prompt") -> None:
     """``max_new_tokens`` must be an int >= 0, and ``prompt_len + max_new_tokens`` fit the context."""
     if not _is_int(max_new_tokens) or max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be a non-negative int (a count of tokens), got "
                          f"{max_new_tokens!r}; pass e.g. max_new_tokens=20")
-    limit, total = configs.context_length(model), prompt_len + max_new_tokens
-    if limit is not None and total > limit:
-        raise ValueError(
-            f"{what} ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) = {total} exceeds "
-            f"the model's context of {limit} positions; shorten the prompt or ask for fewer tokens "
-            "(GPT-2 has no position embedding beyond its context, so nothing is truncated for you)")
+    check_context(prompt_len + max_new_tokens, configs.context_length(model),
+                  f"{what} ({prompt_len} tokens) + max_new_tokens ({max_new_tokens})")
 
 
 def check_inputs(model, input_ids, max_new_tokens: int, batched: bool = False) -> torch.Tensor:
@@ -123,9 +130,7 @@ def check_max_len(max_len, n_positions: int) -> int:
         raise ValueError(f"max_len must be an int >= 1 (the prompt plus the new tokens the cache must "
                          f"hold), got {max_len!r}; pass max_len=None for the model's whole context "
                          f"({n_positions} positions)")
-    if max_len > n_positions:
-        raise ValueError(f"max_len={max_len} exceeds the model's context of n_positions={n_positions}; "
-                         "GPT-2 has no position embedding beyond it: pass at most that")
+    check_context(max_len, n_positions, "max_len", "pass at most that")
     return int(max_len)
 
 

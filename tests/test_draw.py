@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from kvlab import batching, draw, draw_engine, gpt2, quant
+from kvlab.configs import kv_dims
 from kvlab.paged import BlockAllocator
 
 
@@ -25,7 +26,7 @@ def test_cache_growth_and_query_from_a_real_dynamic_cache(tiny):
     steps = draw.record_steps(model, ids, 3)
     assert [s["after"] for s in steps] == [ids.shape[1] + i for i in range(4)]
     assert [len(s["tokens"]) for s in steps] == [ids.shape[1], 1, 1, 1]
-    H, D = model.config.n_head, model.config.n_embd // model.config.n_head
+    H, D = model.config.n_head, kv_dims(model.config)[2]
     assert steps[-1]["keys"].shape == (H, ids.shape[1] + 3, D) and steps[-1]["q"].shape == (H, D)
     d = _is_drawing(draw.cache_growth(steps, tok))
     assert f"{len(steps)} forward calls over {ids.shape[1] + 3} positions" in d.alt

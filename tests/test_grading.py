@@ -15,7 +15,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from kvlab import grade, labs, release
+from kvlab.course import grade, labs, release
 from kvlab.paths import REPO_ROOT
 
 NBGRADER = "nbgrader==0.9.6"

@@ -9,7 +9,7 @@ import pytest
 from nbclient import NotebookClient
 from nbclient.exceptions import CellExecutionError
 
-from kvlab import labs
+from kvlab.course import labs
 from kvlab.paths import REPO_ROOT
 
 SOLUTIONS = sorted((REPO_ROOT / "solutions").glob("lab*.ipynb"))

@@ -166,7 +166,7 @@ def test_bench_command_checks_tokens_then_times(capsys):
     ratios = bench.run("kvlab-tiny", new_tokens=6, prompt_len=4, repeats=1, threads=None, naive=True)
     assert set(ratios) == {"transformers generate (DynamicCache)", "kvlab cached_generate (DynamicCache loop)",
                            "kvlab hand-built GPT-2, preallocated cache", "naive (no cache)",
-                           "transformers generate, StaticCache, compiled",     # chapter 8's rows
+                           "transformers generate, StaticKVCache, compiled",     # chapter 8's rows
                            "kvlab hand-built GPT-2, static cache, compiled"}
     assert ratios["transformers generate (DynamicCache)"] == 1.0
     out = capsys.readouterr().out

@@ -16,10 +16,11 @@ import yaml
 from nbclient import NotebookClient
 from nbclient.exceptions import CellExecutionError
 
-from kvlab import __version__, labs
+from kvlab import __version__
+from kvlab.course import labs
 from kvlab.paths import REPO_ROOT
 
-sys.path.insert(0, str(REPO_ROOT / "kvlab"))
+sys.path.insert(0, str(REPO_ROOT / "kvlab" / "course"))
 import install  # noqa: E402  (kvlab/course/install.py runs as a script from a clone: standard library only)
 
 LAB = REPO_ROOT / "labs" / "lab01_naive_generation.ipynb"

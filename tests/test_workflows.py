@@ -109,7 +109,7 @@ def test_grade_runs_make_grade_on_a_learners_fork():
 
 
 def test_the_classroom_workflow_of_a_release_lints(tmp_path):
-    from kvlab import release
+    from kvlab.course import release
 
     tests = [("lab01_naive_generation", "01", 2), ("lab07_roofline", "07", 3)]
     wf_path = tmp_path / "classroom.yml"
