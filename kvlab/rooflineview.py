@@ -5,7 +5,7 @@ Presentation only: nothing here times or runs a model.
 
 from __future__ import annotations
 from . import plots
-from .rooflinebench import GENERATORS
+from .generators import EAGER as GENERATORS
 from .tables import show
 from . import verdicts
 from . import results

@@ -53,8 +53,8 @@ def check_context(total: int, limit: int | None, what: str,
     There is no position embedding beyond the context, so nothing is truncated for the caller: the
     error names what went past it (``what``) and how to fix it (``fix``)."""
     if limit is not None and total > limit:
-        raise ValueError(f"{what} = {total} exceeds the model's context of n_positions={limit} (GPT-2 has "
-                         f"no position embedding beyond it): {fix}")
+        raise ValueError(f"{what} = {total} exceeds the model's context of {limit} positions "
+                         f"(n_positions={limit}: GPT-2 has no position embedding beyond it); {fix}")
 
 
 def check_budget(model, prompt_len: int, max_new_tokens: int, what: str = "prompt") -> None:

@@ -38,13 +38,13 @@ def test_gpt2_offline_fails_fast_and_names_kvlab_tiny(tmp_path):
 
 def test_default_chooser(monkeypatch, capsys):
     monkeypatch.setenv("KVLAB_MODEL", "shape:gpt2")
-    assert loading.default_model_name() == "shape:gpt2"
-    assert "KVLAB_MODEL is set" in capsys.readouterr().out
+    assert loading.default_model() == ("shape:gpt2", "KVLAB_MODEL is set")
     monkeypatch.setenv("KVLAB_MODEL", "")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setattr(loading, "gpt2_loadable", lambda: (False, "no gpt2 here"))
-    assert loading.default_model_name() == "kvlab-tiny"
-    assert "no gpt2 here" in capsys.readouterr().out
+    name, why = loading.default_model()
+    assert name == "kvlab-tiny" and "no gpt2 here" in why
+    assert capsys.readouterr().out == ""            # the library chooses; the banner says why
     monkeypatch.setattr(loading, "gpt2_loadable", lambda: (True, "cached"))
     assert loading.default_model_name() == "gpt2"
 
