@@ -105,7 +105,7 @@ _CATEGORIES = {
 
 
 @contextlib.contextmanager
-def _quiet_fd2():
+def quiet_stderr():
     """Silence file descriptor 2 for a moment: kineto writes a 'profiler_start/stop' line straight to
     it from C++ at every profile, which Python's sys.stderr cannot intercept."""
     sys.stderr.flush()
@@ -136,7 +136,7 @@ def profile_step(model, batch_size: int, seq_len: int, steps: int = 5) -> dict[s
         fn()
     cuda = device.type == "cuda"
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    with _quiet_fd2(), profile(activities=acts) as prof:
+    with quiet_stderr(), profile(activities=acts) as prof:
         for _ in range(steps):
             with record_function("kvlab::decode_step"):
                 fn()

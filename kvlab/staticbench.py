@@ -247,7 +247,7 @@ def profile_compiled_step(dec, steps: int = 5, rounds: int = 3) -> dict[str, tim
     _unprofiled(dec, 1, last, cuda)                  # one step first: nothing one-off lands in a sample
     for _ in range(rounds):
         samples["unprofiled"].append(_unprofiled(dec, steps, last, cuda))
-        with rooflinebench._quiet_fd2(), profile(activities=acts) as prof:
+        with rooflinebench.quiet_stderr(), profile(activities=acts) as prof:
             for _ in range(steps):
                 dec.cache.position.fill_(last)
                 with record_function(_STEP):
