@@ -47,7 +47,7 @@ def start(model: str | None = None, seed: int | None = 0, threads: int | None = 
     core up to 8; see :func:`kvlab.timing.set_threads`). ``seed``: torch's seed (None: leave it).
     ``model``: a name :func:`kvlab.loading.load` knows (chapters 7 and 8 ask for ``"kvlab-tiny"``); by
     default the book's model (:func:`kvlab.loading.load_default`: ``KVLAB_MODEL``, else real ``gpt2``
-    when it can be loaded here, else the bundled ``kvlab-tiny``), with the reason printed. The device is
+    when it can be loaded here, else the bundled ``kvlab-tiny``; the banner says why). The device is
     :func:`kvlab.loading.pick_device`'s (``KVLAB_DEVICE`` overrides). Prints the thread count, shows
     the banner (device, model, versions).
     """
