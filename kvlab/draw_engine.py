@@ -2,10 +2,10 @@
 reference counts, copy-on-write and the prefix cache, and per-request timelines of a served engine."""
 
 from __future__ import annotations
-from .cache import EMPTY
+
 from matplotlib.patches import FancyArrowPatch, Rectangle
 
-from .draw import NEW, PAD, PAST, SEEN, Drawing, canvas, grid
+from .draw import EMPTY, NEW, PAD, PAST, SEEN, Drawing, canvas, grid
 
 
 def static_buffer(max_len: int, position: int, batch: int = 1, name: str = "static cache") -> Drawing:

@@ -52,7 +52,7 @@ def rewinding_step(model, cache, tokens: torch.Tensor, length: int):
                 cache.rewind(length)
                 return out[:, -1]
             out = model(tokens, cache=cache, use_cache=True, logits_to_keep=1).logits
-            cache.crop(length - cache.get_seq_length())   # back to `length` (crop takes a negative count)
+            cache.crop(-tokens.shape[1])       # back to `length` (crop takes a negative count to drop)
             return out[:, -1]
     return step
 

@@ -163,7 +163,7 @@ def test_write_json_is_atomic(tmp_path):
 
 def test_commit_from_environment(monkeypatch):
     monkeypatch.setenv("KVLAB_COMMIT", "abc123")
-    assert machine._git_commit() == {"commit": "abc123", "source": "KVLAB_COMMIT"}
+    assert machine.git_commit() == {"commit": "abc123", "source": "KVLAB_COMMIT"}
 
 
 def test_bad_arguments_are_clear():
