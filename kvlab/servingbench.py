@@ -1,6 +1,6 @@
 """Measuring the serving engine (chapter 9): workloads, Poisson arrivals, serving metrics, the floor,
 sweeps, computed sentences and the plot. The engine (:mod:`kvlab.serving`) prints and measures
-nothing; this does (tables go through :func:`kvlab.harness.print_table`).
+nothing; this does (tables go through :func:`kvlab.tables.show`).
 
 Metrics, from the engine's trace (times on its :class:`~kvlab.serving.clock.Clock`, idle gaps skipped):
 
