@@ -247,6 +247,11 @@ def main(argv=None) -> dict:
     p.add_argument("--work", type=Path, default=WORK, help="scratch folder (downloads, raw corpus)")
     p.add_argument("--corpus", type=Path, default=None, help="use this `bible`-format file instead of downloading")
     p.add_argument("--smoke", action="store_true", help="tiny end-to-end run (seconds) to test the pipeline")
+    p.add_argument(
+        "--tokenizer", type=Path, default=None,
+        help="reuse this model folder's tokenizer instead of training one (a draft model must share its target's)",
+    )
+    p.add_argument("--name", default="kvlab-tiny", help="model name written to metrics.json")
     p.add_argument("--steps", type=int, default=1800, help="optimizer steps (the budget; not wall clock)")
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--ctx", type=int, default=512)
@@ -297,7 +302,10 @@ def main(argv=None) -> dict:
 
     # 2. Tokenizer ----------------------------------------------------------------------
     t0 = time.time()
-    tokenizer = train_tokenizer(train_text, args.vocab)
+    if args.tokenizer is not None:
+        tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
+    else:
+        tokenizer = train_tokenizer(train_text, args.vocab)
     tokenizer.save_pretrained(out)
     tokenizer = AutoTokenizer.from_pretrained(out)  # from here on, use what ships
     train_ids = torch.tensor(encode(tokenizer, train_text), dtype=torch.long)
@@ -409,7 +417,8 @@ def main(argv=None) -> dict:
 
     size = sum(f.stat().st_size for f in out.iterdir() if f.is_file() and f.name != "metrics.json")
     metrics = {
-        "model": "kvlab-tiny" if not args.smoke else "kvlab-tiny (smoke test)",
+        "model": args.name if not args.smoke else f"{args.name} (smoke test)",
+        "tokenizer": "trained" if args.tokenizer is None else f"reused from {args.tokenizer.name}",
         "smoke": args.smoke,
         "steps": args.steps,
         "batch": args.batch,
