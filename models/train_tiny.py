@@ -302,11 +302,11 @@ def main(argv=None) -> dict:
 
     # 2. Tokenizer ----------------------------------------------------------------------
     t0 = time.time()
-    if args.tokenizer is not None:
-        tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
+    if args.tokenizer is not None:   # the files as they are (a save would add the loader's flags)
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copy(args.tokenizer / name, out / name)
     else:
-        tokenizer = train_tokenizer(train_text, args.vocab)
-    tokenizer.save_pretrained(out)
+        train_tokenizer(train_text, args.vocab).save_pretrained(out)
     tokenizer = AutoTokenizer.from_pretrained(out)  # from here on, use what ships
     train_ids = torch.tensor(encode(tokenizer, train_text), dtype=torch.long)
     held_ids = encode(tokenizer, held_text)
