@@ -147,12 +147,16 @@ class SpecStats:
         return len(self.drafted)
 
     @property
+    def tried(self) -> int:
+        """Drafts the target really judged: a step that rejects tried ``n + 1``, one that accepts all
+        ``k`` tried ``k`` (the drafts after a rejection were never compared)."""
+        return sum(n + (n < d) for d, n in zip(self.drafted, self.accepted))
+
+    @property
     def alpha(self) -> float:
-        """Per-token acceptance rate, the estimate the theory's formula wants: accepted drafts over
-        the drafts *tried*, where a step that rejects tried ``n + 1`` and one that accepts all ``k``
-        tried ``k`` (a step stops at its first rejection, so ``accepted / drafted`` would be low)."""
-        tried = sum(n + (n < d) for d, n in zip(self.drafted, self.accepted) if d)
-        return sum(self.accepted) / tried if tried else float("nan")
+        """Per-token acceptance rate, the estimate the theory's formula wants: accepted over *tried*
+        (a step stops at its first rejection, so accepted / drafted would come out too low)."""
+        return sum(self.accepted) / self.tried if self.tried else float("nan")
 
     @property
     def tokens_per_step(self) -> float:

@@ -1,0 +1,151 @@
+"""Chapter 10's tables, figure and computed sentences, from one :func:`kvlab.specbench.run` result.
+
+Nothing here is typed in advance: whether speculation pays, which draft and which k do best, why
+``V(k)`` is what it is, all come from the run's numbers and name the device they were measured on.
+"""
+
+from __future__ import annotations
+
+from . import plots, verdicts
+from .specbench import expected_tokens, predicted_speedup
+from .tables import show
+
+
+def rows(r: dict) -> list[dict]:
+    """One row per (draft, k): the counts, the component costs, the theory's and the clock's speed-ups."""
+    base, out = r["e2e"]["plain greedy"].median, []
+    for (name, k), a in r["acceptance"].items():
+        alpha, c, v = r["alpha"][name], r["costs"]["c"][name], r["costs"]["V"][k]
+        timed = r["e2e"].get((name, k))
+        out.append({"draft": name, "k": k, "alpha": a["alpha"], "tokens/step": a["tokens_per_step"],
+                    "E(alpha,k)": expected_tokens(alpha, k), "c": c, "V(k)": v,
+                    "V floor": r["v_floor"][k] if r["v_floor"] else float("nan"),
+                    "k*c+V(k)": k * c + v, "predicted": predicted_speedup(alpha, k, c, v),
+                    "measured": base / timed.median if timed else float("nan"),
+                    "step cost (clock)": a["tokens_per_step"] * timed.median / base if timed else float("nan"),
+                    "same tokens": a["same"]})
+    return out
+
+
+def table(r: dict) -> None:
+    formats = {"alpha": ".2f", "tokens/step": ".2f", "E(alpha,k)": ".2f", "c": ".3f", "V(k)": ".2f",
+               "V floor": ".2f", "k*c+V(k)": ".2f", "predicted": ".2f", "measured": ".2f",
+               "step cost (clock)": ".2f"}
+    show(rows(r), formats=formats, caption=(
+        f"{r['label']}; {verdicts.on(r['device'])}. alpha and tokens/step: counts over "
+        f"{r['sizes']['prompts']} held-out prompts x {r['sizes']['new']} new tokens; E(alpha,k) and "
+        "'predicted' use the draft's alpha pooled over every k; 'measured': plain greedy time / "
+        "speculative time, medians of one interleaved run (blank: not timed); 'step cost (clock)': what a "
+        "target step really cost in decode steps (tokens/step x measured time ratio; prefill and the loop's "
+        "own bookkeeping included), beside the parts' k*c + V(k)."))
+
+
+def plot(r: dict, model) -> None:
+    """Predicted speed-up against k for each draft (lines), the measured ones as points."""
+    fig, ax = plots.figure(size=(7, 4))
+    ks = r["sizes"]["ks"]
+    base = r["e2e"]["plain greedy"].median
+    for i, name in enumerate(r["alpha"]):
+        pred = [predicted_speedup(r["alpha"][name], k, r["costs"]["c"][name], r["costs"]["V"][k]) for k in ks]
+        ax.plot(ks, pred, "-", color=f"C{i}", label=f"{name}: theory")
+        timed = [(k, base / r["e2e"][name, k].median) for k in ks if (name, k) in r["e2e"]]
+        ax.plot([k for k, _ in timed], [s for _, s in timed], "o", color=f"C{i}", ms=7)
+    ax.axhline(1.0, color="0.4", lw=1, ls="--")
+    ax.set(xlabel="k (tokens drafted per target step)", ylabel="speed-up over plain greedy",
+           title="Speculative decoding: theory (lines) and clock (points)")
+    plots.finish(fig, model, r["device"], legend=[ax])
+
+
+def pays_sentences(r: dict) -> list[str]:
+    """Per draft, at the k the theory picked: faster or slower than plain greedy, or not told apart."""
+    out = []
+    for name, k in r["picks"].items():
+        if (name, k) in r["e2e"]:
+            out.append(verdicts.faster(r["e2e"][name, k], r["e2e"]["plain greedy"], r["device"],
+                                       f"speculation with {name} (k={k})", "plain greedy decoding"))
+    return out
+
+
+def why_sentences(r: dict) -> list[str]:
+    """The theory's account of each draft at its best k: what a step costs against what it yields."""
+    out = []
+    for name, k in r["picks"].items():
+        a, c, v = r["alpha"][name], r["costs"]["c"][name], r["costs"]["V"][k]
+        e, cost = expected_tokens(a, k), k * c + v
+        verdict = "pays" if e > cost * (1 + verdicts.NOISE) else ("does not pay" if e * (1 + verdicts.NOISE) < cost
+                                                                   else "is about even")
+        out.append(f"{name}, k={k}: a step yields E = {e:.2f} tokens (alpha {a:.2f}) and costs k*c + V(k) = "
+                   f"{k} x {c:.3f} + {v:.2f} = {cost:.2f} decode steps, so in theory it {verdict} "
+                   f"(predicted speed-up {e / cost:.2f}x), {verdicts.on(r['device'])}")
+    return out
+
+
+def best_k_sentences(r: dict) -> list[str]:
+    """The theory's best k beside the clock's best among the k that were timed."""
+    out, base = [], r["e2e"]["plain greedy"].median
+    for name, k in r["picks"].items():
+        timed = {key[1]: base / t.median for key, t in r["e2e"].items() if key[0] == name}
+        clock = max(timed, key=timed.get)
+        agree = "the same k" if clock == k else f"k={clock} ({timed[clock]:.2f}x)"
+        out.append(f"{name}: the theory picks k={k} (predicted {predicted_speedup(r['alpha'][name], k, r['costs']['c'][name], r['costs']['V'][k]):.2f}x); "
+                   f"of the k timed, the clock's best is {agree} {verdicts.on(r['device'])}")
+    return out
+
+
+def floor_sentences(r: dict, machine: dict) -> list[str]:
+    """Why V(k) is what it is: chapter 7's floor against the measured step."""
+    if not r["v_floor"]:
+        return []
+    k = max(r["sizes"]["ks"])
+    step_ms = r["costs"]["step_s"] * 1e3
+    return [f"chapter 7's floor puts V({k}) at {r['v_floor'][k]:.2f} (the weights are read once for all "
+            f"{k + 1} rows; bandwidth {machine['bandwidth'] / 1e9:.1f} GB/s, {machine['flops'] / 1e9:.0f} GFLOP/s "
+            f"measured), but it measures {r['costs']['V'][k]:.2f}: a decode step takes {step_ms:.2f} ms "
+            f"{verdicts.on(r['device'])}, "
+            + floor_gap(r, machine)]
+
+
+def floor_gap(r: dict, machine: dict) -> str:
+    """How far the measured step is above its floor, and what that means for V(k)."""
+    from .roofline import forward_floor
+
+    cached = r["sizes"]["prompt_len"] + r["sizes"]["new"] // 2
+    floor = forward_floor(r["target"], 1, 1, cached, cached, machine["bandwidth"], machine["flops"])
+    times = r["costs"]["step_s"] / floor
+    return (f"{times:.0f}x its floor of {floor * 1e3:.3f} ms: the step is not waiting on memory here, it is "
+            "the per-operation cost of running small matrices one after another, and each extra row adds "
+            "work to every one of them, so verifying k tokens is not free" if times > 3 else
+            f"{times:.1f}x its floor of {floor * 1e3:.3f} ms: near the memory floor, where extra rows ride along")
+
+
+def bytes_sentences(r: dict) -> list[str]:
+    """What each model draft reads per token, against the target, and how much of it is the head."""
+    out = []
+    for name, b in r["bytes"].items():
+        if b["share"]:
+            out.append(f"{name} reads {b['share']:.0%} of the target's weight bytes per token; "
+                       f"{b['head_share']:.0%} of its own is the token embedding / LM head it shares the "
+                       "vocabulary through")
+    return out
+
+
+def hf_sentences(r: dict) -> list[str]:
+    h, k = r["hf"], r["k_hf"]
+    t = h["timings"]
+    same = "the same tokens" if all(h["same"].values()) else f"NOT the same tokens: {h['same']}"
+    return [f"transformers' own generate gives {same} with assistant_model and with prompt lookup (k={k})",
+            verdicts.faster(t["transformers assistant_model"], t["transformers greedy"], r["device"],
+                            "transformers with assistant_model", "its plain greedy generate"),
+            verdicts.faster(t["transformers prompt lookup"], t["transformers greedy"], r["device"],
+                            "transformers with prompt_lookup_num_tokens", "its plain greedy generate")]
+
+
+def closing_rows(r: dict) -> list[dict]:
+    """Per draft, at its picked k: the closing note's numbers."""
+    base, out = r["e2e"]["plain greedy"].median, []
+    for name, k in r["picks"].items():
+        a, c, v = r["alpha"][name], r["costs"]["c"][name], r["costs"]["V"][k]
+        out.append({"draft": name, "k": k, "alpha": a, "tokens/step": r["acceptance"][name, k]["tokens_per_step"],
+                    "c": c, "V(k)": v, "predicted": predicted_speedup(a, k, c, v),
+                    "measured": base / r["e2e"][name, k].median})
+    return out
