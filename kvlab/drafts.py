@@ -106,7 +106,8 @@ def first_layers(model: GPT2, m: int) -> GPT2:
 
 def share_first_layers(cache: PreallocatedCache, m: int) -> PreallocatedCache:
     """A cache whose layers ARE the first ``m`` layers of ``cache`` (views of the same buffers), with
-    its own length. The target has already written those layers for every token it verified."""
+    its own length: self-speculation's shared cache (chapter 10). The target has already written
+    those layers for every token it verified."""
     view = PreallocatedCache.__new__(PreallocatedCache)
     view.__dict__.update(cache.__dict__)
     view.n_layer, view.keys, view.values = m, cache.keys[:m], cache.values[:m]

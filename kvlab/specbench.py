@@ -153,6 +153,9 @@ def cost_fns(target, drafts: dict, ks, cached: int) -> dict:
     tokens = ids[0, :cached + 1].tolist()
     for name, d in drafts.items():
         fns[f"draft {name}"] = draft_token_fn(d, tokens, cache)
+    hidden = torch.randn(1, max(ks) + 1, target.config.n_embd, device=dev, dtype=target.wte.weight.dtype)
+    for rows in (1, max(ks) + 1):      # the LM head alone: the same bytes for any number of rows
+        fns[f"head {rows}"] = (lambda x: lambda: x @ target.wte.weight.T)(hidden[:, :rows])
     return fns
 
 
@@ -179,10 +182,12 @@ def draft_token_fn(draft, tokens, target_cache, k: int = 4):
     return step
 
 
-def costs(target, drafts, ks, cached: int, repeats: int) -> dict:
-    """``{"V": {k: V(k)}, "c": {draft: c}, "step_s": seconds, "timings": ...}``, all from one interleaved run."""
+def costs(target, drafts, ks, cached: int, budget_s: float) -> dict:
+    """``{"V": {k: V(k)}, "c": {draft: c}, "step_s": seconds, "timings": ...}``, all from one interleaved
+    run whose repeats fill ``budget_s`` (these calls take milliseconds: many repeats are cheap)."""
     fns = cost_fns(target, drafts, ks, cached)
-    t = timing.compare(fns, warmup=2, repeats=repeats, progress=False)
+    one = timing.measure(fns["target step"], warmup=2, repeats=3).median
+    t = timing.compare(fns, warmup=2, repeats=_repeats(one * len(fns) * 2, budget_s, 5, 41), progress=False)
     step = t["target step"].median
     c = {n: t[f"draft {n}"].median / fns[f"draft {n}"].per_call / step for n in drafts}
     return {"V": {k: t[f"verify {k}"].median / step for k in ks}, "c": c, "step_s": step, "timings": t}
@@ -247,7 +252,7 @@ def run(pair: dict, budget_s: float | None = None, machine: dict | None = None, 
     per_run = (time.perf_counter() - t0) / (len(drafts) * len(ks) * len(prompts))
     note("component costs: V(k), c")
     cached = sizes["prompt_len"] + sizes["new"] // 2
-    cost = costs(target, drafts, ks, cached, repeats=_repeats(per_run / 20, sizes["budget_s"] / 4, 5, 15))
+    cost = costs(target, drafts, ks, cached, sizes["budget_s"] / 4)
     alpha = {n: pooled_alpha(acc, n, ks) for n in drafts}
     picks = {n: best_k(alpha[n], cost["c"][n], cost["V"]) for n in drafts}
     plan = [(n, k) for n in drafts for k in sorted({picks[n]} | timing.pick({1, max(ks)}, set()))]
@@ -266,3 +271,58 @@ def pooled_alpha(acc: dict, name: str, ks) -> float:
     """One alpha per draft, pooled over every k: drafts accepted over drafts tried (they estimate one number)."""
     tried = sum(acc[name, k]["tried"] for k in ks)
     return sum(acc[name, k]["accepted"] for k in ks) / tried if tried else float("nan")
+
+
+# ---------------------------------------------------------------------------------------------------
+# The chapter's checks: same tokens everywhere, the sampling rule's distribution
+
+
+def equality_rows(pair: dict, prompts, new_tokens: int, ks=(1, 4)) -> list[dict]:
+    """Every draft on every cache kind it can rewind, at each k: the same tokens as plain greedy?"""
+    from .paged import PagedCache
+    from .speculative import HFCache
+    from .static import StaticCache
+
+    target, hf, out = pair["target"], pair["hf"], []
+    cfg = target.config
+    for p in prompts:
+        ref = greedy_reference(target, p, new_tokens)
+        n = p.shape[1] + new_tokens
+        sizes = (cfg.n_layer, 1, cfg.n_head, cfg.head_dim, n)
+        runs = {"preallocated": lambda: (target, None), "static": lambda: (target, StaticCache(*sizes)),
+                "paged (block 4)": lambda: (target, PagedCache(*sizes, block_size=4)),
+                "transformers DynamicCache": lambda: (hf, HFCache(hf.config))}
+        for name, draft in pair["drafts"].items():
+            for cache_name, make in runs.items():
+                model, cache = make()
+                same = all(torch.equal(speculative_generate(model, p, new_tokens, draft, k, cache=cache)[0], ref)
+                           for k in ks)
+                out.append({"draft": name, "cache": cache_name, "k": ", ".join(map(str, ks)), "same tokens": same})
+    return out
+
+
+#: chi-square critical value at p = 0.001 for 5 degrees of freedom (6 bins)
+CHI2_5DF_P001 = 20.515
+
+
+def sampling_check(p: torch.Tensor, q: torch.Tensor, trials: int, seed: int = 0) -> dict:
+    """Speculative sampling's first emitted token against the target's distribution ``p``: draft one
+    token from ``q``, apply :func:`kvlab.speculative.accept_or_resample`, ``trials`` times (seeded).
+    Bins: the 5 likeliest tokens of ``p`` and the rest; chi-square against ``trials x p``."""
+    from .speculative import accept_or_resample
+
+    g = torch.Generator().manual_seed(seed)
+    counts = torch.zeros(p.shape[-1], dtype=torch.float64)
+    accepted = 0
+    for _ in range(trials):
+        d = int(torch.multinomial(q, 1, generator=g))
+        out = accept_or_resample(torch.stack([p, p]), q[None], [d], g)
+        counts[out[0]] += 1
+        accepted += len(out) == 2
+    top = p.argsort(descending=True)[:5]
+    observed = torch.cat([counts[top], (trials - counts[top].sum())[None]])
+    expected = trials * torch.cat([p[top], (1 - p[top].sum())[None]])
+    chi2 = float(((observed - expected) ** 2 / expected).sum())
+    return {"chi2": chi2, "critical": CHI2_5DF_P001, "passed": chi2 < CHI2_5DF_P001, "trials": trials,
+            "accept_rate": accepted / trials, "expected_accept": float(torch.minimum(p, q).sum()),
+            "observed": observed, "expected": expected}

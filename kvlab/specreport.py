@@ -93,29 +93,26 @@ def best_k_sentences(r: dict) -> list[str]:
 
 
 def floor_sentences(r: dict, machine: dict) -> list[str]:
-    """Why V(k) is what it is: chapter 7's floor against the measured step."""
+    """Why V(k) is what it is: chapter 7's floor of the verify pass against the clock, and the LM head
+    alone at 1 and k+1 rows (the same bytes, so the floor is the same) to show where the time goes."""
     if not r["v_floor"]:
         return []
-    k = max(r["sizes"]["ks"])
-    step_ms = r["costs"]["step_s"] * 1e3
-    return [f"chapter 7's floor puts V({k}) at {r['v_floor'][k]:.2f} (the weights are read once for all "
-            f"{k + 1} rows; bandwidth {machine['bandwidth'] / 1e9:.1f} GB/s, {machine['flops'] / 1e9:.0f} GFLOP/s "
-            f"measured), but it measures {r['costs']['V'][k]:.2f}: a decode step takes {step_ms:.2f} ms "
-            f"{verdicts.on(r['device'])}, "
-            + floor_gap(r, machine)]
-
-
-def floor_gap(r: dict, machine: dict) -> str:
-    """How far the measured step is above its floor, and what that means for V(k)."""
-    from .roofline import forward_floor
-
-    cached = r["sizes"]["prompt_len"] + r["sizes"]["new"] // 2
-    floor = forward_floor(r["target"], 1, 1, cached, cached, machine["bandwidth"], machine["flops"])
-    times = r["costs"]["step_s"] / floor
-    return (f"{times:.0f}x its floor of {floor * 1e3:.3f} ms: the step is not waiting on memory here, it is "
-            "the per-operation cost of running small matrices one after another, and each extra row adds "
-            "work to every one of them, so verifying k tokens is not free" if times > 3 else
-            f"{times:.1f}x its floor of {floor * 1e3:.3f} ms: near the memory floor, where extra rows ride along")
+    k, t, dev = max(r["sizes"]["ks"]), r["costs"]["timings"], r["device"]
+    v, vf = r["costs"]["V"][k], r["v_floor"][k]
+    head = r["target"].wte.weight
+    h1, hk = t["head 1"].median, t[f"head {k + 1}"].median
+    floor = head.numel() * head.element_size() / machine["bandwidth"]
+    rate = 2 * (k + 1) * head.numel() / hk
+    free = v <= vf * (1 + verdicts.NOISE)
+    return [f"chapter 7's floor puts V({k}) at {vf:.2f}: the weights are read once for all {k + 1} rows "
+            f"(bandwidth {machine['bandwidth'] / 1e9:.1f} GB/s measured); the clock says {v:.2f}, so extra rows "
+            + ("ride along almost free, as on an accelerator" if free else "are not free") + f" {verdicts.on(dev)}",
+            f"the LM head alone ({head.numel() * head.element_size() / 1e6:.1f} MB of weights, floor "
+            f"{floor * 1e3:.2f} ms for any number of rows): {h1 * 1e3:.2f} ms for 1 row, {hk * 1e3:.2f} ms for "
+            f"{k + 1} rows ({hk / h1:.2f}x); the {k + 1}-row product runs at {rate / 1e9:.1f} GFLOP/s against "
+            f"the {machine['flops'] / 1e9:.0f} GFLOP/s the probe measured on large matrices {verdicts.on(dev)}"
+            + ("" if free else ": a product of a few rows is neither at the memory floor nor at the arithmetic "
+               "rate, so each verified row costs real time")]
 
 
 def bytes_sentences(r: dict) -> list[str]:
@@ -149,3 +146,19 @@ def closing_rows(r: dict) -> list[dict]:
                     "c": c, "V(k)": v, "predicted": predicted_speedup(a, k, c, v),
                     "measured": base / r["e2e"][name, k].median})
     return out
+
+
+def step_trace(model, ids, new_tokens: int, draft, k: int, tok) -> list[dict]:
+    """Each target step of one run: what was drafted, what the target chose, what was kept."""
+    from .speculative import speculative_generate, verify
+
+    trace = []
+
+    def watched(m, cache, tokens, drafted):
+        before = cache.seq_len
+        new = verify(m, cache, tokens, drafted)
+        trace.append({"cache before": before, "drafted": tok.decode(drafted) if drafted else "",
+                      "accepted": len(new) - 1, "bonus": tok.decode(new[-1:]), "cache after": cache.seq_len})
+        return new
+    speculative_generate(model, ids, new_tokens, draft, k, step=watched)
+    return trace
