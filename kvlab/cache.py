@@ -22,7 +22,7 @@ paged batch (``EMPTY`` for that query).
 ``seq_len`` advances when the *last* layer has been updated, so during a forward pass every layer
 sees the same ``seq_len``. Implementations: chapter 3's ``PreallocatedCache`` (allocated once,
 written in place), ``ConcatCache`` (grows with ``torch.cat``, for comparison) and
-``SlidingWindowCache`` (an aside; keeps the first ``sinks`` and the last ``window`` tokens); the
+``SlidingWindowKVCache`` (an aside; keeps the first ``sinks`` and the last ``window`` tokens); the
 quantized caches of chapter 5 (``kvlab.quant``), the static cache of chapter 8 (``kvlab.static``),
 the paged caches of chapter 9 (``kvlab.paged``).
 
@@ -39,6 +39,8 @@ import inspect
 from abc import ABC, abstractmethod
 
 import torch
+from .configs import kv_dims
+from .validate import check_context
 
 #: The position of a slot no query may see: a pad, an empty slot, another sequence's slot.
 EMPTY = -1
@@ -63,8 +65,9 @@ class Cache(ABC):
     n_layer: int
     batch_size: int | None = None   # rows the cache holds (None: set by the first update)
     _len: int = 0                   # slots written in every layer (the caches that count)
-    #: attributes that hold positions and counters, not keys or values (``nbytes`` leaves them out)
-    bookkeeping = ("slot_pos", "_key_pos", "_key_pos_view", "_pass_pos", "position", "_plan", "_slots")
+    #: attributes that hold positions, not cached keys/values (a byte count skips them); each cache
+    #: class lists its own
+    bookkeeping: tuple[str, ...] = ()
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor | None = None):
         """Store ``k``/``v`` of ``layer``, the tokens at ``positions``; return ``(keys, values, key_pos)``
@@ -106,9 +109,8 @@ class Cache(ABC):
 
     def check_room(self, T: int, limit: int) -> None:
         """Refuse ``T`` more tokens that would go past the model's context of ``limit`` positions."""
-        if self.seq_len + T > limit:
-            raise ValueError(f"{self.seq_len} cached + {T} new tokens = {self.seq_len + T} exceeds GPT-2's "
-                             f"context of n_positions={limit}: there is no position embedding beyond it")
+        check_context(self.seq_len + T, limit, f"{self.seq_len} cached + {T} new tokens",
+                      "shorten the prompt or generate less")
 
     def last_positions(self) -> torch.Tensor | None:
         """The last position held per row, ``[B]`` (``EMPTY`` for an empty row); None if not known."""
@@ -119,7 +121,7 @@ class Cache(ABC):
 
     def check_model(self, config, dtype, device) -> None:
         """Called by the model on first use: refuse a cache built for another model (ValueError)."""
-        want = dict(n_layer=config.n_layer, n_head=config.n_head, head_dim=config.n_embd // config.n_head)
+        want = dict(zip(("n_layer", "n_head", "head_dim"), kv_dims(config)))
         for name, value in want.items():
             have = getattr(self, name, None)
             if have is not None and have != value:
@@ -187,6 +189,8 @@ class PreallocatedCache(Cache):
     slots ``0 .. seq_len+T-1``: no copy of the past, no ``torch.cat``, no allocation per step.
     """
 
+    bookkeeping = ("slot_pos", "_key_pos_view")
+
     def __init__(self, n_layer: int, batch_size: int, n_head: int, head_dim: int, max_len: int,
                  dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
         self._set_sizes(n_layer, batch_size, n_head, head_dim, max_len)
@@ -233,6 +237,8 @@ class ConcatCache(Cache):
     ``DynamicCache`` does). Every step allocates a new tensor one token longer and copies the whole
     past into it, so a step at position ``p`` moves ``O(p)`` bytes just to remember them."""
 
+    bookkeeping = ("_key_pos",)
+
     def __init__(self, n_layer: int):
         self.n_layer = n_layer
         self.reset()
@@ -272,7 +278,7 @@ class ConcatCache(Cache):
         return tensor_bytes(*self.keys, *self.values)
 
 
-class SlidingWindowCache(Cache):
+class SlidingWindowKVCache(Cache):
     """Keep only the first ``sinks`` and the last ``window`` tokens of every layer (an aside of chapter 3).
 
     Memory stays bounded, but two things change. ``seq_len`` counts every token seen, not the ones
@@ -287,6 +293,8 @@ class SlidingWindowCache(Cache):
     The window applies to what is *kept*, not to a chunk's own attention: a prompt longer than the
     window is prefilled with full causal attention over the whole prompt.
     """
+
+    bookkeeping = ("_key_pos", "_pass_pos")
 
     def __init__(self, n_layer: int, window: int, sinks: int = 0):
         if window < 1 or sinks < 0:

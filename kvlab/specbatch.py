@@ -3,7 +3,7 @@
 transformers refuses speculation for a batch larger than one: with one dense ``[batch, seq]`` cache,
 rows that accept different numbers of drafts end at different lengths, and a single ``crop`` cannot
 rewind them apart. On chapter 9's paged cache each sequence owns its block table, so each one is
-rewound on its own (``PagedKVCache.rewind(seq_id, length)``: the blocks after the kept tokens go back
+rewound on its own (``PagedPool.rewind(seq_id, length)``: the blocks after the kept tokens go back
 to the free list). One ragged forward verifies every row's pending token and drafts side by side;
 each row then accepts, emits and rewinds by itself, and a finished row leaves the batch.
 """
@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import torch
 
-from .generate import check_prompt
-from .paged import PagedKVCache, blocks_for
+from .paged import blocks_for
+from .paged_cache import PagedPool
+from .validate import check_prompt
 from .speculative import check_draft, check_k
 
 
-def _verify_rows(model, cache: PagedKVCache, rows: dict, drafted: dict) -> dict:
+def _verify_rows(model, cache: PagedPool, rows: dict, drafted: dict) -> dict:
     """One ragged target forward over every active row's ``[pending, drafts...]``; accept per row,
     rewind per row. Returns ``{row: new tokens}``."""
     ids = list(rows)
@@ -50,7 +51,7 @@ def batched_speculative_generate(model, prompts, max_new_tokens: int, make_draft
     if not prompts or max(len(p) for p in prompts) + max_new_tokens > limit:
         raise ValueError(f"need at least one prompt, each fitting {limit} positions with max_new_tokens")
     num_blocks = sum(blocks_for(len(p) + max_new_tokens, block_size) for p in prompts)
-    cache = PagedKVCache.for_model(model, num_blocks, block_size)
+    cache = PagedPool.for_model(model, num_blocks, block_size)
     rows = {i: list(p) for i, p in enumerate(prompts)}
     ends = {i: len(p) + max_new_tokens for i, p in enumerate(prompts)}
     drafts = {i: make_draft() for i in rows}

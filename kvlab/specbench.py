@@ -25,10 +25,10 @@ import time
 
 import torch
 
-from . import models, roofline, timing
+from . import loading, paths, roofline, timing
 from .drafts import ModelDraft, PromptLookupDraft, SelfDraft
 from .gpt2 import GPT2
-from .harness import first_difference
+from .reference import first_difference
 from .speculative import SpecStats, check_same_tokenizer, greedy_reference, speculative_generate
 
 # ---------------------------------------------------------------------------------------------------
@@ -83,8 +83,8 @@ def draft_bytes(target, drafts: dict) -> dict[str, dict]:
 
 def bundled_pair(device="cpu"):
     """kvlab-tiny (the target, hand-built and transformers'), its drafts, its tokenizer."""
-    hf, tok = models.load("kvlab-tiny", device=device)
-    nano_hf, nano_tok = models.load("kvlab-nano", device=device)
+    hf, tok = loading.load("kvlab-tiny", device=device)
+    nano_hf, nano_tok = loading.load("kvlab-nano", device=device)
     check_same_tokenizer(tok, nano_tok)
     target = GPT2.from_hf(hf)
     drafts = {"prompt lookup": PromptLookupDraft(), "kvlab-nano": ModelDraft(GPT2.from_hf(nano_hf), "kvlab-nano"),
@@ -96,9 +96,9 @@ def bundled_pair(device="cpu"):
 def hub_pair(device="cpu"):
     """distilgpt2 drafting for gpt2-medium, the papers' kind of pair; a sentence saying why not, offline."""
     try:
-        hf, tok = models.load("gpt2-medium", device=device)
-        small, small_tok = models.load("distilgpt2", device=device)
-    except models.ModelNotAvailable as err:
+        hf, tok = loading.load("gpt2-medium", device=device)
+        small, small_tok = loading.load("distilgpt2", device=device)
+    except loading.ModelNotAvailable as err:
         return f"the Hub pair (distilgpt2 drafting for gpt2-medium) could not be loaded: {err}"
     check_same_tokenizer(tok, small_tok)
     target = GPT2.from_hf(hf)
@@ -111,7 +111,7 @@ def hub_pair(device="cpu"):
 def heldout_prompts(tok, n: int, length: int) -> list[torch.Tensor]:
     """``n`` prompts of ``length`` tokens from kvlab-tiny's held-out chapters (text no model trained on),
     evenly spaced through it."""
-    ids = tok((models.TINY_DIR / "heldout.txt").read_text(), return_tensors="pt").input_ids[0]
+    ids = tok((paths.TINY_DIR / "heldout.txt").read_text(), return_tensors="pt").input_ids[0]
     step = (len(ids) - length) // max(n, 1)
     return [ids[i * step:i * step + length][None] for i in range(n)]
 
@@ -279,9 +279,9 @@ def pooled_alpha(acc: dict, name: str, ks) -> float:
 
 def equality_rows(pair: dict, prompts, new_tokens: int, ks=(1, 4)) -> list[dict]:
     """Every draft on every cache kind it can rewind, at each k: the same tokens as plain greedy?"""
-    from .paged import PagedCache
+    from .paged_cache import PagedCache
     from .speculative import HFCache
-    from .static import StaticCache
+    from .static import StaticKVCache
 
     target, hf, out = pair["target"], pair["hf"], []
     cfg = target.config
@@ -289,7 +289,7 @@ def equality_rows(pair: dict, prompts, new_tokens: int, ks=(1, 4)) -> list[dict]
         ref = greedy_reference(target, p, new_tokens)
         n = p.shape[1] + new_tokens
         sizes = (cfg.n_layer, 1, cfg.n_head, cfg.head_dim, n)
-        runs = {"preallocated": lambda: (target, None), "static": lambda: (target, StaticCache(*sizes)),
+        runs = {"preallocated": lambda: (target, None), "static": lambda: (target, StaticKVCache(*sizes)),
                 "paged (block 4)": lambda: (target, PagedCache(*sizes, block_size=4)),
                 "transformers DynamicCache": lambda: (hf, HFCache(hf.config))}
         for name, draft in pair["drafts"].items():

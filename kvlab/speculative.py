@@ -32,8 +32,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .cache import PastLenCache, SlidingWindowCache
-from .generate import _is_int, check_inputs
+from .cache import PastLenCache, SlidingWindowKVCache
+from .validate import _is_int, check_inputs
 from .gpt2 import GPT2
 from .drafts import ModelDraft, PromptLookupDraft, SelfDraft, first_layers, share_first_layers  # noqa: F401
 
@@ -81,9 +81,9 @@ def check_rewindable(cache) -> None:
     """Refuse, before any work, a cache that cannot forget rejected tokens."""
     if isinstance(cache, PastLenCache) or not hasattr(cache, "rewind"):
         raise ValueError(f"a {type(cache).__name__} cannot rewind(length): speculation must drop rejected "
-                         "tokens; use a kvlab cache (PreallocatedCache, StaticCache, PagedCache) or HFCache")
-    if isinstance(cache, SlidingWindowCache):
-        raise ValueError("a SlidingWindowCache drops old tokens and then cannot rewind past them: use a "
+                         "tokens; use a kvlab cache (PreallocatedCache, StaticKVCache, PagedCache) or HFCache")
+    if isinstance(cache, SlidingWindowKVCache):
+        raise ValueError("a sliding-window cache drops old tokens and then cannot rewind past them: use a "
                          "PreallocatedCache for speculative decoding")
 
 

@@ -22,21 +22,16 @@ from __future__ import annotations
 
 import copy
 import math
-import os
-import shutil
-import subprocess
-import sys
-import time
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
 from .cache import EMPTY, Cache
-from .generate import check_inputs, check_max_len
+from .validate import check_inputs, check_max_len
 
 
-class StaticCache(Cache):
+class StaticKVCache(Cache):
     """Chapter 3's cache interface, with fixed shapes and a position held in a tensor (chapter 8).
 
     Per layer, keys and values live in buffers ``[batch, heads, max_len, head_dim]`` allocated once,
@@ -49,6 +44,8 @@ class StaticCache(Cache):
     :func:`kvlab.cache.visible` hides them. ``seq_len`` reads ``position`` back as an int, for code
     outside the compiled step.
     """
+
+    bookkeeping = ("slot_pos", "position")
 
     def __init__(self, n_layer: int, batch_size: int, n_head: int, head_dim: int, max_len: int,
                  dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
@@ -174,7 +171,9 @@ def static_attention_explicit(q, k, v, pos):
 class Lab8Cache(Cache):
     """A learner's lab-8 cache, ``update(layer, k, v, pos) -> (keys, values)`` (the full buffers, written
     at slots ``pos .. pos+T-1``, ``pos`` a 0-d tensor), in the one interface. The adapter owns the one
-    position counter (a 0-d tensor, like :class:`StaticCache`); slot ``j`` holds position ``j``."""
+    position counter (a 0-d tensor, like :class:`StaticKVCache`); slot ``j`` holds position ``j``."""
+
+    bookkeeping = ("slot_pos", "position")
 
     def __init__(self, inner, n_layer: int, max_len: int, device):
         self.inner, self.n_layer, self.max_len = inner, n_layer, max_len
@@ -188,8 +187,8 @@ class Lab8Cache(Cache):
             self.position.add_(k.shape[2])
         return keys, values, self.slot_pos
 
-    next_positions = StaticCache.next_positions
-    check_room = StaticCache.check_room
+    next_positions = StaticKVCache.next_positions
+    check_room = StaticKVCache.check_room
 
     def reset(self):
         self.inner.reset()
@@ -199,7 +198,7 @@ class Lab8Cache(Cache):
         self._check_rewind(length)
         self.position.fill_(length)
 
-    seq_len = StaticCache.seq_len
+    seq_len = StaticKVCache.seq_len
 
     @property
     def nbytes(self):
@@ -238,8 +237,8 @@ class StaticDecoder:
         self.batch_size = batch_size
         self.max_len = check_max_len(max_len, cfg.n_positions)   # 0 is an error, not "the whole context"
         sizes = (cfg.n_layer, batch_size, cfg.n_head, cfg.head_dim, self.max_len, p.dtype, p.device)
-        if cache_cls is None or cache_cls is StaticCache:
-            self.cache = StaticCache(*sizes)
+        if cache_cls is None or cache_cls is StaticKVCache:
+            self.cache = StaticKVCache(*sizes)
         else:
             inner = cache_cls(*sizes)
             mark_static(list(_tensors_of(inner)))
@@ -316,89 +315,7 @@ def _tensors_of(obj):
         yield from (t for t in items if isinstance(t, torch.Tensor))
 
 
-def cpu_compiler() -> str:
-    """The C++ compiler inductor builds its CPU kernels with (``$CXX``, else ``g++``; ``clang++`` on
-    macOS) and its version. ``torch.compile`` on a CPU writes C++ and needs one: without it, say so."""
-    cxx = os.environ.get("CXX", "clang++" if sys.platform == "darwin" else "g++")
-    if shutil.which(cxx) is None:
-        raise RuntimeError(f"torch.compile on a CPU needs a C++ compiler and '{cxx}' is not installed: "
-                           "install g++ (Debian/Ubuntu: apt-get install g++) or point CXX at another one")
-    version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout.splitlines()
-    return f"{cxx} ({version[0] if version else 'unknown version'})"
-
-
-def time_first_call(fn, device) -> float:
-    """Seconds of ONE call of ``fn``, the one that compiles. ``torch.utils.benchmark`` cannot time it: it
-    warms up before measuring, and the warm-up is exactly the compilation. So: a wall clock around a
-    single call, the device synchronised before and after (CUDA runs asynchronously)."""
-    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
-    sync()
-    start = time.perf_counter()
-    fn()
-    sync()
-    return time.perf_counter() - start
-
-
-def break_even_tokens(compile_seconds: float, eager_per_token: float, compiled_per_token: float):
-    """After how many generated tokens compiling has paid for itself (``None``: it never does)."""
-    gain = eager_per_token - compiled_per_token
-    return compile_seconds / gain if gain > 0 else None
-
-
 # ---------------------------------------------------------------------------------------------------
-# transformers' way: StaticCache + torch.compile inside generate
+# transformers' way: StaticKVCache + torch.compile inside generate
 
 
-def hf_compile_config(device, backend="inductor", mode: str | None = None):
-    """A transformers ``CompileConfig`` for ``generate`` (chapter 8): ``reduce-overhead`` (CUDA
-    graphs) on CUDA, inductor's default mode elsewhere. transformers compiles the decode step by itself
-    only on accelerators; its ``_compile_all_devices`` flag (meant for exactly this) asks it to on a
-    CPU too. The flag is private: if this transformers release no longer reads it, a RuntimeError
-    says so here, rather than ``generate`` running eagerly in a row that claims to be compiled."""
-    from transformers import CompileConfig
-
-    device = torch.device(device)
-    if mode is None:
-        mode = "reduce-overhead" if device.type == "cuda" else "default"
-    config = CompileConfig(backend=backend, mode=mode, fullgraph=True, dynamic=False)
-    if device.type != "cuda":
-        if not honours_compile_all_devices():
-            import transformers
-            raise RuntimeError(
-                f"transformers {transformers.__version__} no longer reads CompileConfig._compile_all_devices, the "
-                f"private flag that makes generate compile its decode step on a {device.type}: its 'compiled' row "
-                "would run eagerly. Install the release requirements-lab.txt pins (transformers>=5.24,<5.25), or "
-                "leave the transformers compiled row out on this device.")
-        config._compile_all_devices = True
-    return config
-
-
-def honours_compile_all_devices() -> bool:
-    """Whether transformers' CompileConfig has ``_compile_all_devices`` and generate's rule for
-    compiling by itself (``GenerationMixin._valid_auto_compile_criteria``) still reads it."""
-    import inspect
-
-    from transformers import CompileConfig
-    from transformers.generation.utils import GenerationMixin
-
-    rule = getattr(GenerationMixin, "_valid_auto_compile_criteria", None)
-    try:
-        source = inspect.getsource(rule) if rule is not None else ""
-    except (OSError, TypeError):
-        source = ""
-    return hasattr(CompileConfig, "_compile_all_devices") and "_compile_all_devices" in source
-
-
-@torch.no_grad()
-def hf_static_generate(model, input_ids, max_new_tokens: int, compile_config=None) -> torch.Tensor:
-    """transformers' greedy ``generate`` with ``cache_implementation="static"`` (chapter 8); the decode
-    step compiled with ``compile_config`` (see :func:`hf_compile_config`), or eager when it is ``None``
-    (on a GPU transformers would otherwise compile it on its own). transformers keeps the compiled
-    step on the model and compiles again only for a config with other settings, or new shapes."""
-    ids = check_inputs(model, input_ids, max_new_tokens)
-    if max_new_tokens == 0:
-        return ids
-    how = {"compile_config": compile_config} if compile_config is not None else {"disable_compile": True}
-    return model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                          max_new_tokens=max_new_tokens, eos_token_id=None,
-                          pad_token_id=model.config.eos_token_id, cache_implementation="static", **how)

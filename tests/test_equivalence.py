@@ -6,7 +6,7 @@ cache of chapter 3 (concat, preallocated, a window wider than the text, paged me
 eager and compiled (8), the paged cache inside the serving engine (9), and each batched generator on a
 left-padded batch (6). Edges: a 1-token prompt, a cache filled to exactly max_len (and the whole
 context), a prompt that ends exactly on a block boundary, a sequence that crosses one during decode.
-Quantized caches are held to their stated tolerance (``kvlab.quant.TOLERANCE``). Every cache kind is
+Quantized caches are held to their stated tolerance (``kvlab.quant_cache.TOLERANCE``). Every cache kind is
 rewound: generate, rewind, regenerate, same tokens. Speculative greedy decoding (chapter 10) with each
 draft (prompt lookup, kvlab-nano, the target's first layers) on each cache kind it rewinds
 (preallocated, static, paged, transformers' DynamicCache through ``crop``) gives the same tokens too.
@@ -16,15 +16,16 @@ import pytest
 import torch
 
 from kvlab.batching import batched_generate, generate_padded, make_batch, one_by_one
-from kvlab.cache import ConcatCache, PreallocatedCache, SlidingWindowCache
-from kvlab.generate import cached_generate, hf_greedy, naive_generate
+from kvlab.cache import ConcatCache, PreallocatedCache, SlidingWindowKVCache
+from kvlab.reference import cached_generate, hf_greedy, naive_generate
 from kvlab.gpt2 import GPT2, generate, generate_uncached
 from kvlab.harness import rewind_and_regenerate
-from kvlab.paged import PagedCache, PagedKVCache, ragged_forward
-from kvlab.quant import TOLERANCE, AbsmaxFakeInt8Cache, QuantizedCache, compare, score_through_cache
+from kvlab.paged_cache import PagedCache, PagedPool, ragged_forward
+from kvlab.quant_cache import TOLERANCE, AbsmaxFakeInt8Cache, QuantizedKVCache
+from kvlab.quantbench import compare, score_through_cache
 from kvlab.serving import Engine
-from kvlab.servingbench import reference_tokens
-from kvlab.static import StaticCache, StaticDecoder
+from kvlab.serving.reference import reference_tokens
+from kvlab.static import StaticKVCache, StaticDecoder
 
 N = 14   # new tokens per prompt
 
@@ -71,9 +72,9 @@ def single_prompt_generators(hf, ours):
         "chapter 3: no cache": lambda ids, n: generate_uncached(ours, ids, n),
         "chapter 3: preallocated": lambda ids, n: generate(ours, ids, n, cache=PreallocatedCache(*exact(ids, n))),
         "chapter 3: concat": lambda ids, n: generate(ours, ids, n, cache=ConcatCache(L)),
-        "chapter 3: window wider than the text": lambda ids, n: generate(ours, ids, n, cache=SlidingWindowCache(L, 512)),
+        "chapter 3: window wider than the text": lambda ids, n: generate(ours, ids, n, cache=SlidingWindowKVCache(L, 512)),
         "chapter 3: sinks + window wider than the text": lambda ids, n: generate(
-            ours, ids, n, cache=SlidingWindowCache(L, 256, sinks=4)),
+            ours, ids, n, cache=SlidingWindowKVCache(L, 256, sinks=4)),
         "chapter 8: static, eager": lambda ids, n: StaticDecoder(ours, max_len=ids.shape[1] + n).generate(ids, n),
         "chapter 9: paged (block 4)": lambda ids, n: generate(ours, ids, n, cache=PagedCache(*exact(ids, n), block_size=4)),
         "chapter 9: paged (block 1)": lambda ids, n: generate(ours, ids, n, cache=PagedCache(*exact(ids, n), block_size=1)),
@@ -135,7 +136,7 @@ def test_ragged_step_by_hand(setup, prompts, want):
     """The paged cache alone, one ragged step at a time: two prefills in one step, then both decode."""
     _, _, ours = setup
     (a_name, a), (b_name, b) = prompts[0], prompts[5]
-    cache = PagedKVCache.for_model(ours, num_blocks=32, block_size=4)
+    cache = PagedPool.for_model(ours, num_blocks=32, block_size=4)
     logits = ragged_forward(ours, cache, ["a", "b"], [a[0].tolist(), b[0].tolist()])
     out = [[t] for t in logits.argmax(-1).tolist()]
     for _ in range(N - 1):
@@ -155,7 +156,7 @@ def test_left_padded_batches(setup):
     ids, mask, _ = make_batch(tok, TEXTS + ["In"])
     B, T = ids.shape
     L = hf.config.n_layer
-    for cache in (None, ConcatCache(L), SlidingWindowCache(L, 512), StaticCache(*_sizes(ours, B, T + N)),
+    for cache in (None, ConcatCache(L), SlidingWindowKVCache(L, 512), StaticKVCache(*_sizes(ours, B, T + N)),
                   PreallocatedCache(*_sizes(ours, B, T + N))):
         assert generate_padded(ours, ids, mask, N, cache=cache).tolist() == alone, type(cache).__name__
 
@@ -163,16 +164,16 @@ def test_left_padded_batches(setup):
 @pytest.mark.parametrize("bits", sorted(TOLERANCE))
 def test_quantized_caches_within_their_stated_tolerance(setup, bits):
     """Teacher-forced through a quantized cache against the full-precision one: top-1 agreement and KL
-    within ``kvlab.quant.TOLERANCE[bits]``; a residual window as long as the text is exact."""
+    within ``kvlab.quant_cache.TOLERANCE[bits]``; a residual window as long as the text is exact."""
     hf, tok, ours = setup
     ids = tok(" ".join(TEXTS * 4), return_tensors="pt").input_ids[:, :160]
     sizes = _sizes(ours, 1, ids.shape[1])
     ref = score_through_cache(ours, PreallocatedCache(*sizes), ids, 32)
-    got = score_through_cache(ours, QuantizedCache(*sizes, bits=bits, block=16), ids, 32)
+    got = score_through_cache(ours, QuantizedKVCache(*sizes, bits=bits, block=16), ids, 32)
     q = compare(ref, got, ids[:, 32:])
     tol = TOLERANCE[bits]
     assert q["agree"] >= tol["agree"] and q["kl"] <= tol["kl"], (bits, q)
-    exact = QuantizedCache(*sizes, bits=bits, residual=ids.shape[1])   # nothing ever quantized
+    exact = QuantizedKVCache(*sizes, bits=bits, residual=ids.shape[1])   # nothing ever quantized
     assert torch.equal(generate(ours, ids[:, :20], N, cache=exact), hf_greedy(hf, ids[:, :20], N))
 
 
@@ -181,9 +182,9 @@ def rewindable_caches(model, max_len):
     L, sizes = model.config.n_layer, _sizes(model, 1, max_len)
     return {
         "preallocated": PreallocatedCache(*sizes), "concat": ConcatCache(L),
-        "sliding window": SlidingWindowCache(L, 64), "window + sinks": SlidingWindowCache(L, 40, sinks=4),
-        "static": StaticCache(*sizes), "paged (block 4)": PagedCache(*sizes, block_size=4),
-        "quantized 4-bit, residual 16": QuantizedCache(*sizes, bits=4, block=8, residual=16),
+        "sliding window": SlidingWindowKVCache(L, 64), "window + sinks": SlidingWindowKVCache(L, 40, sinks=4),
+        "static": StaticKVCache(*sizes), "paged (block 4)": PagedCache(*sizes, block_size=4),
+        "quantized 4-bit, residual 16": QuantizedKVCache(*sizes, bits=4, block=8, residual=16),
         "absmax fake int8": AbsmaxFakeInt8Cache(*sizes),
     }
 
@@ -203,11 +204,11 @@ def test_rewind_refuses_what_is_gone(setup, prompts):
     _, _, ours = setup
     ids = prompts[0][1]
     L, sizes = ours.config.n_layer, _sizes(ours, 1, ids.shape[1] + N)
-    narrow = SlidingWindowCache(L, 4)
+    narrow = SlidingWindowKVCache(L, 4)
     generate(ours, ids, N, cache=narrow)
     with pytest.raises(ValueError, match="dropped"):
         narrow.rewind(narrow.seq_len - 2)
-    quant = QuantizedCache(*sizes, bits=4, block=4)
+    quant = QuantizedKVCache(*sizes, bits=4, block=4)
     generate(ours, ids, N, cache=quant)
     with pytest.raises(ValueError, match="quantized"):
         quant.rewind(2)
@@ -222,10 +223,10 @@ def test_reference_tokens_is_chapter_3(setup, prompts, want):
 
 
 def speculative_drafts(hf_ours):
-    from kvlab import models
+    from kvlab import loading
     from kvlab.speculative import ModelDraft, PromptLookupDraft, SelfDraft
 
-    nano = GPT2.from_hf(models.load("kvlab-nano", device="cpu")[0])
+    nano = GPT2.from_hf(loading.load("kvlab-nano", device="cpu")[0])
     return {"prompt lookup": PromptLookupDraft(), "kvlab-nano": ModelDraft(nano),
             "self-draft (2 layers)": SelfDraft(hf_ours, 2)}
 
@@ -242,7 +243,7 @@ def test_speculative_greedy_every_draft_every_cache(setup, prompts, want, k):
     for draft_name, draft in speculative_drafts(ours).items():
         for name, ids in prompts:
             n = ids.shape[1] + N
-            runs = {"preallocated": (ours, None), "static": (ours, StaticCache(*_sizes(ours, 1, n))),
+            runs = {"preallocated": (ours, None), "static": (ours, StaticKVCache(*_sizes(ours, 1, n))),
                     "paged (block 4)": (ours, PagedCache(*_sizes(ours, 1, n), block_size=4)),
                     "transformers DynamicCache": (hf, HFCache(hf.config))}
             for cache_name, (model, cache) in runs.items():

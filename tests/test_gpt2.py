@@ -4,8 +4,8 @@ import pytest
 import torch
 from transformers import DynamicCache, GPT2Config as HFConfig, GPT2LMHeadModel
 
-from kvlab.cache import ConcatCache, PreallocatedCache, SlidingWindowCache
-from kvlab.generate import hf_greedy
+from kvlab.cache import ConcatCache, PreallocatedCache, SlidingWindowKVCache
+from kvlab.reference import hf_greedy
 from kvlab.gpt2 import GPT2, attention, generate, generate_uncached, sdpa_attention
 
 TOL = 1e-4   # fp32 logits, ours vs transformers (measured: ~1e-5 on kvlab-tiny)
@@ -110,9 +110,9 @@ def test_preallocated_cache_bookkeeping():
 def test_sliding_window(small):
     ours = GPT2.from_hf(small)
     ids = torch.randint(0, 97, (1, 6), generator=torch.Generator().manual_seed(4))
-    wide = SlidingWindowCache(small.config.n_layer, window=64)      # never drops anything: exact
+    wide = SlidingWindowKVCache(small.config.n_layer, window=64)      # never drops anything: exact
     assert torch.equal(generate(ours, ids, 20, cache=wide), generate(ours, ids, 20))
-    narrow = SlidingWindowCache(small.config.n_layer, window=4)
+    narrow = SlidingWindowKVCache(small.config.n_layer, window=4)
     generate(ours, ids, 20, cache=narrow)
     assert narrow.seq_len == 25 and narrow.keys[0].shape[2] == 4   # positions count on; 4 tokens held
 

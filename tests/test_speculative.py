@@ -11,16 +11,16 @@ import math
 import pytest
 import torch
 
-from kvlab import models
-from kvlab.cache import ConcatCache, PastLenCache, PreallocatedCache, SlidingWindowCache
-from kvlab.gpt2 import GPT2, GPT2Config
-from kvlab.paged import PagedCache
+from kvlab import loading, paths
+from kvlab.cache import ConcatCache, PastLenCache, PreallocatedCache, SlidingWindowKVCache
+from kvlab.gpt2 import GPT2, GPTConfig
+from kvlab.paged_cache import PagedCache
 from kvlab.specbatch import batched_speculative_generate
 from kvlab.speculative import (
     HFCache, ModelDraft, PromptLookupDraft, SelfDraft, SpecStats, accept_or_resample, check_same_tokenizer,
     greedy_reference, speculative_generate, speculative_sample, verify,
 )
-from kvlab.static import StaticCache
+from kvlab.static import StaticKVCache
 
 N = 24
 TEXTS = ["And God said, Let there be light: and there was light.", "In the beginning",
@@ -31,7 +31,7 @@ TEXTS = ["And God said, Let there be light: and there was light.", "In the begin
 def pair(tiny):
     """(target, nano draft, tokenizer), both hand-built, float64."""
     hf, tok = tiny
-    nano = models.load("kvlab-nano", device="cpu")[0]
+    nano = loading.load("kvlab-nano", device="cpu")[0]
     return GPT2.from_hf(hf).double(), GPT2.from_hf(nano).double(), tok
 
 
@@ -74,7 +74,7 @@ def contrarian(ref, vocab):
 def caches(model, n):
     sizes = (model.config.n_layer, 1, model.config.n_head, model.config.head_dim, n)
     return {"preallocated": PreallocatedCache(*sizes, dtype=torch.float64),
-            "static": StaticCache(*sizes, dtype=torch.float64),
+            "static": StaticKVCache(*sizes, dtype=torch.float64),
             "paged": PagedCache(*sizes, dtype=torch.float64, block_size=4),
             "concat": ConcatCache(model.config.n_layer)}
 
@@ -99,7 +99,7 @@ def test_equal_to_greedy_every_draft_every_cache(pair, prompts, k):
 
 def test_transformers_target_with_dynamic_cache(tiny, pair, prompts):
     hf, _ = tiny
-    hf64 = type(hf).from_pretrained(models.TINY_DIR, dtype=torch.float64).eval()
+    hf64 = type(hf).from_pretrained(paths.TINY_DIR, dtype=torch.float64).eval()
     target, nano, _ = pair
     for ids in prompts:
         ref = greedy_reference(target, ids, N)
@@ -194,14 +194,14 @@ def test_bad_input_is_refused_before_any_work(pair, prompts, tiny):
     for k in (0, -1, 1.5, True):
         with pytest.raises(ValueError, match="k"):
             speculative_generate(target, ids, 5, PromptLookupDraft(), k)
-    other = GPT2(GPT2Config(vocab_size=100, n_positions=64, n_embd=32, n_layer=1, n_head=2)).double()
+    other = GPT2(GPTConfig(vocab_size=100, n_positions=64, n_embd=32, n_layer=1, n_head=2)).double()
     with pytest.raises(ValueError, match="vocabulary"):
         speculative_generate(target, ids, 5, ModelDraft(other), 2)
-    short = GPT2(GPT2Config(vocab_size=4096, n_positions=8, n_embd=32, n_layer=1, n_head=2)).double()
+    short = GPT2(GPTConfig(vocab_size=4096, n_positions=8, n_embd=32, n_layer=1, n_head=2)).double()
     with pytest.raises(ValueError, match="context"):
         speculative_generate(target, ids, 10, ModelDraft(short), 2)
     L = target.config.n_layer
-    for cache in (SlidingWindowCache(L, 16), PastLenCache(ConcatCache(L))):
+    for cache in (SlidingWindowKVCache(L, 16), PastLenCache(ConcatCache(L))):
         with pytest.raises(ValueError, match="rewind"):
             speculative_generate(target, ids, 5, PromptLookupDraft(), 2, cache=cache)
     class Shuffled:                      # same size, two ids swapped: another tokenizer all the same
