@@ -186,8 +186,11 @@ def costs(target, drafts, ks, cached: int, budget_s: float) -> dict:
     """``{"V": {k: V(k)}, "c": {draft: c}, "step_s": seconds, "timings": ...}``, all from one interleaved
     run whose repeats fill ``budget_s`` (these calls take milliseconds: many repeats are cheap)."""
     fns = cost_fns(target, drafts, ks, cached)
-    one = timing.measure(fns["target step"], warmup=2, repeats=3).median
-    t = timing.compare(fns, warmup=2, repeats=_repeats(one * len(fns) * 2, budget_s, 5, 41), progress=False)
+    start = time.perf_counter()
+    for fn in fns.values():        # one round, untimed: the warm-up, and the size of a round
+        fn()
+    round_s = time.perf_counter() - start
+    t = timing.compare(fns, warmup=1, repeats=_repeats(round_s * 1.5, budget_s, 5, 41), progress=False)
     step = t["target step"].median
     c = {n: t[f"draft {n}"].median / fns[f"draft {n}"].per_call / step for n in drafts}
     return {"V": {k: t[f"verify {k}"].median / step for k in ks}, "c": c, "step_s": step, "timings": t}
@@ -196,7 +199,7 @@ def costs(target, drafts, ks, cached: int, budget_s: float) -> dict:
 def end_to_end(target, drafts: dict, plan, prompts, new_tokens: int, repeats: int) -> dict:
     """Plain greedy and each ``(draft, k)`` of ``plan`` over every prompt, interleaved; the same tokens
     first (a run that differs is not timed: it raises)."""
-    refs = [greedy_reference(target, p, new_tokens) for p in prompts]
+    refs = [greedy_reference(target, p, new_tokens) for p in prompts]     # also plain greedy's warm-up
     fns = {"plain greedy": lambda: [greedy_reference(target, p, new_tokens) for p in prompts]}
     for name, k in plan:
         fn = (lambda d, k: lambda: [speculative_generate(target, p, new_tokens, d, k)[0] for p in prompts])(
@@ -205,7 +208,7 @@ def end_to_end(target, drafts: dict, plan, prompts, new_tokens: int, repeats: in
         if any(a is not None for a in at):
             raise RuntimeError(f"{name} at k={k} differs from plain greedy (first differences {at}): not timing it")
         fns[(name, k)] = fn
-    return timing.compare(fns, warmup=1, repeats=repeats, progress=False)
+    return timing.compare(fns, warmup=0, repeats=repeats, progress=False)   # each ran once above: warm
 
 
 def hf_comparison(hf, hf_draft, prompt, new_tokens: int, k: int, repeats: int) -> dict:
@@ -232,7 +235,7 @@ def plan_sizes(budget_s: float | None = None) -> dict:
     """Sizes for the run: the full book's, or ``KVLAB_QUICK``'s."""
     return timing.pick(
         {"budget_s": budget_s or 90, "ks": [1, 2, 3, 4, 6, 8], "prompts": 6, "prompt_len": 48, "new": 64},
-        {"budget_s": budget_s or 10, "ks": [1, 3], "prompts": 2, "prompt_len": 32, "new": 24})
+        {"budget_s": budget_s or 6, "ks": [1, 3], "prompts": 2, "prompt_len": 32, "new": 24})
 
 
 def _repeats(fn_seconds: float, budget_s: float, lo: int = 3, hi: int = 9) -> int:
@@ -260,7 +263,8 @@ def run(pair: dict, budget_s: float | None = None, machine: dict | None = None, 
     e2e = end_to_end(target, drafts, plan, prompts[:timing.pick(len(prompts), 1)], sizes["new"], _repeats(per_run * len(plan), sizes["budget_s"] / 2))
     note("transformers' own")
     k_hf = picks.get("kvlab-nano", picks.get("distilgpt2", 3))
-    hf = hf_comparison(pair["hf"], pair["hf_draft"], prompts[0], sizes["new"], k_hf, timing.pick(5, 3))
+    hf = hf_comparison(pair["hf"], pair["hf_draft"], prompts[0], timing.pick(sizes["new"], 12), k_hf,
+                       timing.pick(5, 3))
     floor = v_floor(target, ks, cached, machine) if machine else None
     return {"sizes": sizes, "acceptance": acc, "costs": cost, "alpha": alpha, "picks": picks, "plan": plan,
             "e2e": e2e, "hf": hf, "k_hf": k_hf, "v_floor": floor, "bytes": draft_bytes(target, drafts),
