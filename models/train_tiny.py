@@ -36,6 +36,13 @@ else runs at the same time. The script sets it itself when it is not set, but th
 variable must be in place before torch is imported, so setting it in the shell is the
 reliable way.
 
+The same script trains chapter 10's draft model, ``kvlab-nano``: narrower and shallower, on the same
+corpus and split, with kvlab-tiny's tokenizer reused rather than retrained (``--tokenizer``), so that
+both models mean the same text by the same token id (see ``models/kvlab-nano/README.md``)::
+
+    OMP_WAIT_POLICY=PASSIVE nice -n 10 .venv/bin/python models/train_tiny.py --tokenizer models/kvlab-tiny \
+        --name kvlab-nano --layers 2 --heads 2 --width 128 --steps 600 --warmup 30 --out models/kvlab-nano
+
 A quick end-to-end check of the whole pipeline (seconds, no network)::
 
     .venv/bin/python models/train_tiny.py --smoke --corpus SOME_FILE --out /tmp/tiny
