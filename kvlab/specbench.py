@@ -234,7 +234,7 @@ def hf_comparison(hf, hf_draft, prompt, new_tokens: int, k: int, repeats: int) -
 def plan_sizes(budget_s: float | None = None) -> dict:
     """Sizes for the run: the full book's, or ``KVLAB_QUICK``'s."""
     return timing.pick(
-        {"budget_s": budget_s or 90, "ks": [1, 2, 3, 4, 6, 8], "prompts": 6, "prompt_len": 48, "new": 64},
+        {"budget_s": budget_s or 150, "ks": [1, 2, 3, 4, 6, 8], "prompts": 6, "prompt_len": 48, "new": 64},
         {"budget_s": budget_s or 6, "ks": [1, 3], "prompts": 2, "prompt_len": 32, "new": 24})
 
 
@@ -242,29 +242,41 @@ def _repeats(fn_seconds: float, budget_s: float, lo: int = 3, hi: int = 9) -> in
     return int(min(hi, max(lo, budget_s // max(fn_seconds, 1e-6))))
 
 
+def _prompt_count(target, drafts, prompts, ks, new_tokens: int, budget_s: float) -> int:
+    """How many prompts the counts and the end-to-end timing can afford: one run is timed first, and
+    a prompt costs a run per (draft, k) counted, plus about 4 runs of each of the ~3 timed k per
+    draft and of plain greedy (a check and 3 repeats)."""
+    name = next(iter(drafts))
+    start = time.perf_counter()
+    speculative_generate(target, prompts[0], new_tokens, drafts[name], max(ks))
+    per_run = time.perf_counter() - start
+    runs_per_prompt = len(drafts) * len(ks) + 4 * (3 * len(drafts) + 1)
+    return int(min(len(prompts), max(1, 0.7 * budget_s // (per_run * runs_per_prompt))))
+
+
 @torch.no_grad()
 def run(pair: dict, budget_s: float | None = None, machine: dict | None = None, progress=None) -> dict:
-    """Everything chapter 10 shows for one target and its drafts. ``machine``: ``kvlab.probes.machine()``
-    (for the floor of ``V(k)``); ``progress``: a callable told each stage's name."""
+    """Everything chapter 10 shows for one target and its drafts, sized to ``budget_s`` (the number of
+    prompts shrinks on a slow or busy machine). ``machine``: ``kvlab.probes.machine()`` (for the floor
+    of ``V(k)``); ``progress``: a callable told each stage's name."""
     sizes, note = plan_sizes(budget_s), progress or (lambda s: None)
     target, drafts, ks = pair["target"], pair["drafts"], sizes["ks"]
     prompts = heldout_prompts(pair["tok"], sizes["prompts"], sizes["prompt_len"])
-    t0 = time.perf_counter()
-    note("acceptance (counts)")
+    prompts = prompts[:_prompt_count(target, drafts, prompts, ks, sizes["new"], sizes["budget_s"])]
+    sizes = dict(sizes, prompts=len(prompts))
+    note(f"acceptance (counts over {len(prompts)} prompts)")
     acc = acceptance(target, drafts, prompts, ks, sizes["new"])
-    per_run = (time.perf_counter() - t0) / (len(drafts) * len(ks) * len(prompts))
     note("component costs: V(k), c")
     cached = sizes["prompt_len"] + sizes["new"] // 2
-    cost = costs(target, drafts, ks, cached, sizes["budget_s"] / 4)
+    cost = costs(target, drafts, ks, cached, sizes["budget_s"] / 6)
     alpha = {n: pooled_alpha(acc, n, ks) for n in drafts}
     picks = {n: best_k(alpha[n], cost["c"][n], cost["V"]) for n in drafts}
     plan = [(n, k) for n in drafts for k in sorted({picks[n]} | timing.pick({1, max(ks)}, set()))]
     note("end to end, interleaved")
-    e2e = end_to_end(target, drafts, plan, prompts[:timing.pick(len(prompts), 1)], sizes["new"], _repeats(per_run * len(plan), sizes["budget_s"] / 2))
+    e2e = end_to_end(target, drafts, plan, prompts, sizes["new"], 3)
     note("transformers' own")
     k_hf = picks.get("kvlab-nano", picks.get("distilgpt2", 3))
-    hf = hf_comparison(pair["hf"], pair["hf_draft"], prompts[0], timing.pick(sizes["new"], 12), k_hf,
-                       timing.pick(5, 3))
+    hf = hf_comparison(pair["hf"], pair["hf_draft"], prompts[0], timing.pick(sizes["new"], 12), k_hf, 3)
     floor = v_floor(target, ks, cached, machine) if machine else None
     return {"sizes": sizes, "acceptance": acc, "costs": cost, "alpha": alpha, "picks": picks, "plan": plan,
             "e2e": e2e, "hf": hf, "k_hf": k_hf, "v_floor": floor, "bytes": draft_bytes(target, drafts),

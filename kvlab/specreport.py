@@ -162,3 +162,20 @@ def step_trace(model, ids, new_tokens: int, draft, k: int, tok) -> list[dict]:
         return new
     speculative_generate(model, ids, new_tokens, draft, k, step=watched)
     return trace
+
+
+def summary_sentence(r: dict) -> str:
+    """Where speculation paid, where it did not, and where the clock could not tell, at each draft's
+    picked k, with the part of the step that costs most when it did not pay."""
+    won, lost, even = [], [], []
+    for name, k in r["picks"].items():
+        c = verdicts.compare_timings(r["e2e"][name, k], r["e2e"]["plain greedy"])
+        label = f"{name} (k={k}, {1 / c.ratio:.2f}x)"
+        (even if not c.apart else won if c.ratio < 1 else lost).append(label)
+        if c.apart and c.ratio > 1:
+            draft, verify = k * r["costs"]["c"][name], r["costs"]["V"][k]
+            lost[-1] += (f": a step's drafting ({draft:.2f} decode steps) and verifying ({verify:.2f}) cost more "
+                         f"than the {expected_tokens(r['alpha'][name], k):.2f} tokens it yields")
+    parts = [f"paid: {', '.join(won) or 'none'}", f"did not pay: {'; '.join(lost) or 'none'}",
+             f"not told apart from plain greedy: {', '.join(even) or 'none'}"]
+    return f"{verdicts.on(r['device'])}, against plain greedy decoding, speculation " + "; ".join(parts)
