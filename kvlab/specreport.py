@@ -107,12 +107,25 @@ def floor_sentences(r: dict, machine: dict) -> list[str]:
     return [f"chapter 7's floor puts V({k}) at {vf:.2f}: the weights are read once for all {k + 1} rows "
             f"(bandwidth {machine['bandwidth'] / 1e9:.1f} GB/s measured); the clock says {v:.2f}, so extra rows "
             + ("ride along almost free, as on an accelerator" if free else "are not free") + f" {verdicts.on(dev)}",
-            f"the LM head alone ({head.numel() * head.element_size() / 1e6:.1f} MB of weights, floor "
+            f"the LM head alone ({head.numel() * head.element_size() / 1e6:.1f} MB of weights, memory floor "
             f"{floor * 1e3:.2f} ms for any number of rows): {h1 * 1e3:.2f} ms for 1 row, {hk * 1e3:.2f} ms for "
-            f"{k + 1} rows ({hk / h1:.2f}x); the {k + 1}-row product runs at {rate / 1e9:.1f} GFLOP/s against "
-            f"the {machine['flops'] / 1e9:.0f} GFLOP/s the probe measured on large matrices {verdicts.on(dev)}"
-            + ("" if free else ": a product of a few rows is neither at the memory floor nor at the arithmetic "
-               "rate, so each verified row costs real time")]
+            f"{k + 1} rows ({hk / h1:.2f}x), the {k + 1}-row product at {rate / 1e9:.1f} GFLOP/s (the probe: "
+            f"{machine['flops'] / 1e9:.0f} GFLOP/s on large matrices) {verdicts.on(dev)}" + head_reason(h1, hk, floor, dev)]
+
+
+def head_reason(h1: float, hk: float, floor: float, device="cpu") -> str:
+    """What the LM head's timings say about the floor: weights served from the CPU's cache (faster
+    than the memory floor), rows that cost time of their own, or rows that ride along."""
+    from .probes import cpu_cache_bytes
+
+    cpu = str(device).startswith("cpu")
+    cache = f"the CPU's own cache ({cpu_cache_bytes() / 2**20:.0f} MiB here)" if cpu and cpu_cache_bytes() else "on-chip cache"
+    where = (f"; one row ran {floor / h1:.1f}x faster than reading the head from memory allows: these weights "
+             f"are served from {cache}, so the memory floor does not bind and the step's arithmetic and "
+             "overheads do" if h1 < floor / (1 + verdicts.NOISE) else "")
+    rows = ("; each extra row adds time of its own" if hk > h1 * (1 + verdicts.NOISE)
+            else "; extra rows ride along at no measurable cost")
+    return where + rows
 
 
 def bytes_sentences(r: dict) -> list[str]:
