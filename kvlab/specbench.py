@@ -276,7 +276,7 @@ def run(pair: dict, budget_s: float | None = None, machine: dict | None = None, 
     e2e = end_to_end(target, drafts, plan, prompts, sizes["new"], 3)
     note("transformers' own")
     k_hf = picks.get("kvlab-nano", picks.get("distilgpt2", 3))
-    hf = hf_comparison(pair["hf"], pair["hf_draft"], prompts[0], timing.pick(sizes["new"], 12), k_hf, 3)
+    hf = hf_comparison(pair["hf"], pair["hf_draft"], prompts[0], timing.pick(32, 12), k_hf, 3)
     floor = v_floor(target, ks, cached, machine) if machine else None
     return {"sizes": sizes, "acceptance": acc, "costs": cost, "alpha": alpha, "picks": picks, "plan": plan,
             "e2e": e2e, "hf": hf, "k_hf": k_hf, "v_floor": floor, "bytes": draft_bytes(target, drafts),

@@ -87,7 +87,7 @@ def drafts(target, nano):
 @pytest.mark.parametrize("k", [1, 4])
 def test_equal_to_greedy_every_draft_every_cache(pair, prompts, k):
     target, nano, _ = pair
-    for ids in prompts:
+    for ids in prompts[:2]:
         ref = greedy_reference(target, ids, N)
         for dname, draft in drafts(target, nano).items():
             for cname, cache in caches(target, ids.shape[1] + N).items():
@@ -261,13 +261,13 @@ def broken_rule(p, q, drafted, generator=None):
 
 
 def test_speculative_sampling_matches_the_target_distribution():
-    """Seeded, so not flaky: 20,000 runs of the rule on a 6-token toy; the first emitted token's counts
+    """Seeded, so not flaky: 10,000 runs of the rule on a 6-token toy; the first emitted token's counts
     against the target's p by a chi-square test at p = 0.001. The same test rejects the broken rule."""
     p = torch.tensor([[0.40, 0.25, 0.15, 0.10, 0.06, 0.04]] * 3, dtype=torch.float64)
     q = torch.tensor([[0.05, 0.10, 0.15, 0.20, 0.20, 0.30]] * 2, dtype=torch.float64)
-    counts = first_tokens(p, q, 20000, seed=0)
+    counts = first_tokens(p, q, 10000, seed=0)
     assert chi2(counts, p[0]) < CHI2_DF5_P001
-    bad = first_tokens(p, q, 20000, seed=0, rule=broken_rule)
+    bad = first_tokens(p, q, 10000, seed=0, rule=broken_rule)
     assert chi2(bad, p[0]) > CHI2_DF5_P001 * 5
 
 
