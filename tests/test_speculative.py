@@ -1,9 +1,10 @@
 """Speculative decoding (chapter 10): token for token equal to plain greedy decoding, every edge.
 
 Near-tied logits: a verify pass computes k+1 rows in one matrix product and plain decoding one row at a
-time, so in fp32 two near-tied logits could swap. These tests run both in float64, where the bundled
-models' top-two gaps (of order 1e-3 at the closest on these prompts) are far above float64's rounding,
-so equality is exact; the fp32 runs are in tests/test_equivalence.py against transformers' generate.
+time, so in fp32 two near-tied logits could swap. These tests run both in float64, and
+``test_no_near_tie_in_the_reference_runs`` checks that the closest top-two gap of the reference runs is
+far above float64's rounding, so equality here is exact and any difference is a bug; the fp32 runs are
+in tests/test_equivalence.py against transformers' generate.
 """
 
 import math
@@ -95,6 +96,20 @@ def test_equal_to_greedy_every_draft_every_cache(pair, prompts, k):
                 assert torch.equal(out, ref), (dname, cname, k)
                 assert cache.seq_len == out.shape[1] - 1, "the target's cache holds all but the pending token"
                 assert sum(stats.accepted) + stats.steps + 1 == N
+
+
+def test_no_near_tie_in_the_reference_runs(pair, prompts):
+    """The float64 equality above is exact only if no step's top two logits are within rounding of
+    each other: the smallest gap over every greedy step of these runs must be far above 1e-12."""
+    target, _, _ = pair
+    gaps = []
+    with torch.no_grad():
+        for ids in prompts:
+            ref = greedy_reference(target, ids, N)
+            logits = target(ref[:, :-1])[0, ids.shape[1] - 1:]       # the logits behind every new token
+            top2 = logits.topk(2, dim=-1).values
+            gaps.append(float((top2[:, 0] - top2[:, 1]).min()))
+    assert min(gaps) > 1e-9, f"a near tie in the reference runs: top-two gap {min(gaps):.2e}"
 
 
 def test_transformers_target_with_dynamic_cache(tiny, pair, prompts):
