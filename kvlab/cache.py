@@ -24,18 +24,16 @@ sees the same ``seq_len``. Implementations: chapter 3's ``PreallocatedCache`` (a
 written in place), ``ConcatCache`` (grows with ``torch.cat``, for comparison) and
 ``SlidingWindowKVCache`` (an aside; keeps the first ``sinks`` and the last ``window`` tokens); the
 quantized caches of chapter 5 (``kvlab.quant``), the static cache of chapter 8 (``kvlab.static``),
-the paged caches of chapter 9 (``kvlab.paged``).
+the paged caches of chapter 9 (``kvlab.paged_cache``).
 
 Lab 3's form, ``update(layer, k, v) -> (keys, values)`` (no positions: the new tokens continue the
 cache), is still answered by every cache here, and a learner's cache written to that contract runs
-in the model through :class:`PastLenCache`. A cache implements :meth:`Cache.store`; ``update`` is
+in the model through :class:`kvlab.pastlen.PastLenCache`. A cache implements :meth:`Cache.store`; ``update`` is
 the one entry point and answers both forms.
 """
 
 from __future__ import annotations
 
-import functools
-import inspect
 from abc import ABC, abstractmethod
 
 import torch
@@ -225,7 +223,6 @@ class PreallocatedCache(Cache):
         self._check_rewind(length)
         self._len = length
 
-    truncate = rewind   # the name chapter 7 and the report used first
 
     @property
     def nbytes(self):
@@ -354,54 +351,3 @@ class SlidingWindowKVCache(Cache):
         return tensor_bytes(*self.keys, *self.values)
 
 
-class PastLenCache(Cache):
-    """Lab 3's contract in the one forward: a learner's cache with ``update(layer, k, v) -> (keys,
-    values)`` (every key so far, the new ones last), ``seq_len`` and ``reset()``.
-
-    Such a cache says nothing about positions, so, as chapter 3 first did, they follow from what it
-    returns: the ``S`` keys end with the ``T`` new tokens and sit just before them.
-    """
-
-    def __init__(self, inner):
-        self.inner = inner
-        self.n_layer = getattr(inner, "n_layer", None)
-
-    def store(self, layer, k, v, positions):
-        keys, values = self.inner.update(layer, k, v)
-        S, T = keys.shape[2], k.shape[2]
-        key_pos = positions[:, :1, None] - (S - T) + torch.arange(S, device=positions.device)
-        return keys, values, key_pos                  # [B, 1, S]
-
-    def next_positions(self, batch, T, device=None):
-        start = self.inner.seq_len
-        return torch.arange(start, start + T, device=device).expand(batch, T)
-
-    def reset(self):
-        self.inner.reset()
-
-    def rewind(self, length):
-        raise ValueError("a lab-3 cache has no rewind(length): use the library's PreallocatedCache")
-
-    @property
-    def seq_len(self):
-        return self.inner.seq_len
-
-    @property
-    def nbytes(self):
-        return self.inner.nbytes
-
-
-@functools.lru_cache(maxsize=None)
-def _takes_positions(update) -> bool:
-    params = list(inspect.signature(update).parameters.values())
-    return len(params) >= 5 or any(p.kind == p.VAR_POSITIONAL for p in params)
-
-
-def as_cache(cache):
-    """A cache of the one interface: kvlab's as they are; a learner's lab-3 cache (``update(layer, k, v)``,
-    also a kvlab cache subclassed with that ``update``) wrapped in :class:`PastLenCache`."""
-    if cache is None or isinstance(cache, PastLenCache):
-        return cache
-    if isinstance(cache, Cache) and _takes_positions(type(cache).update):
-        return cache
-    return PastLenCache(cache)

@@ -33,7 +33,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .cache import EMPTY, PastLenCache, PreallocatedCache, as_cache, visible
+from .cache import EMPTY, PreallocatedCache, visible
+from .pastlen import PastLenCache, as_cache
 from .validate import check_inputs
 from .validate import check_context
 

@@ -9,9 +9,10 @@
 from __future__ import annotations
 import torch
 from .cache import Cache, EMPTY
-from .paged import BlockAllocator, OutOfBlocks, _count, batched_gather, block_index, blocks_for, blocks_to_grow, joined_gather
+from .paged import BlockAllocator, OutOfBlocks, batched_gather, block_index, blocks_for, blocks_to_grow, joined_gather
 from .validate import check_context
 from .configs import kv_dims
+from .validate import check_int
 
 
 class PagedPool(Cache):
@@ -33,8 +34,8 @@ class PagedPool(Cache):
 
     def __init__(self, n_layer: int, n_head: int, head_dim: int, num_blocks: int, block_size: int,
                  dtype=torch.float32, device="cpu", allocator_cls=BlockAllocator, gather=None):
-        _count(num_blocks, "num_blocks (blocks in the pool)", minimum=1)     # before allocating the pools
-        _count(block_size, "block_size (token slots per block)", minimum=1)
+        check_int(num_blocks, "num_blocks (blocks in the pool)", 1)     # before allocating the pools
+        check_int(block_size, "block_size (token slots per block)", 1)
         shape = (n_layer, num_blocks, n_head, block_size, head_dim)
         self.keys = torch.zeros(shape, dtype=dtype, device=device)
         self.values = torch.zeros(shape, dtype=dtype, device=device)
@@ -56,7 +57,7 @@ class PagedPool(Cache):
         """``(block, offset)`` slots for ``n`` more tokens of ``seq_id`` (a new sequence is allocated);
         copies the contents of any shared block that had to be replaced, in every layer. All or
         nothing: a request the free blocks cannot hold raises before anything changes."""
-        n = _count(n, "n (tokens to reserve)")
+        n = check_int(n, "n (tokens to reserve)", 0)
         if seq_id not in self.lengths:
             table = self.allocator.allocate(seq_id, n)
             self.lengths[seq_id] = n

@@ -116,3 +116,13 @@ def first_difference(a: torch.Tensor, b: torch.Tensor) -> int | None:
         return 0
     diff = (a.cpu() != b.cpu()).nonzero()
     return None if diff.numel() == 0 else int(diff[0, -1])
+
+
+def naive_step(model, ids: torch.Tensor):
+    """Chapter 1's step as a function to time: the whole prefix ``ids`` through a transformers model,
+    no cache, and the next token from the last position's logits."""
+
+    @torch.no_grad()
+    def step():
+        return model(ids, use_cache=False).logits[:, -1].argmax(-1)
+    return step

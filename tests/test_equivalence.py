@@ -22,7 +22,7 @@ from kvlab.gpt2 import GPT2, generate, generate_uncached
 from kvlab.harness import rewind_and_regenerate
 from kvlab.paged_cache import PagedCache, PagedPool, ragged_forward
 from kvlab.quant_cache import TOLERANCE, AbsmaxFakeInt8Cache, QuantizedKVCache
-from kvlab.quantbench import compare, score_through_cache
+from kvlab.quantbench import agreement, score_through_cache
 from kvlab.serving import Engine
 from kvlab.serving.reference import reference_tokens
 from kvlab.static import StaticKVCache, StaticDecoder
@@ -170,7 +170,7 @@ def test_quantized_caches_within_their_stated_tolerance(setup, bits):
     sizes = _sizes(ours, 1, ids.shape[1])
     ref = score_through_cache(ours, PreallocatedCache(*sizes), ids, 32)
     got = score_through_cache(ours, QuantizedKVCache(*sizes, bits=bits, block=16), ids, 32)
-    q = compare(ref, got, ids[:, 32:])
+    q = agreement(ref, got, ids[:, 32:])
     tol = TOLERANCE[bits]
     assert q["agree"] >= tol["agree"] and q["kl"] <= tol["kl"], (bits, q)
     exact = QuantizedKVCache(*sizes, bits=bits, residual=ids.shape[1])   # nothing ever quantized

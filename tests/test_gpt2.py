@@ -136,7 +136,7 @@ def test_bad_input_is_refused_before_any_work(small):
         (dict(input_ids=ids[:, :3], positions=torch.tensor([[5, -1, 6], [5, 6, 7]])), "pad on the left"),
         (dict(input_ids=ids[:, :1], positions=torch.tensor([[2], [5]])), "not after position 4"),
         (dict(input_ids=ids[:1, :1]), "holds 2 row"),
-        (dict(input_ids=ids[:, :1], positions=torch.tensor([[40], [40]])), "past GPT-2's context"),
+        (dict(input_ids=ids[:, :1], positions=torch.tensor([[40], [40]])), "exceeds the model's context"),
         (dict(input_ids=ids[:, :1], positions=torch.tensor([5, 5])), "LongTensor"),
     ]
     for kwargs, match in cases:

@@ -14,11 +14,10 @@ from __future__ import annotations
 
 import torch
 
-from ..cache import Cache
+from ..cache import EMPTY, Cache
 from ..paged_cache import PagedPool
 from .sequence import Sequence
 
-EMPTY = -1   # a key slot no query may see (kvlab.cache.EMPTY)
 
 
 class RaggedStep(Cache):
