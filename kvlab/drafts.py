@@ -19,7 +19,7 @@ import torch
 import torch.nn as nn
 
 from .cache import PreallocatedCache
-from .validate import _is_int
+from .validate import is_int as _is_int
 from .gpt2 import GPT2
 
 

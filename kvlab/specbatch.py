@@ -14,7 +14,7 @@ import torch
 
 from .paged import blocks_for
 from .paged_cache import PagedPool
-from .validate import check_prompt
+from .validate import check_context, check_prompt
 from .speculative import check_draft, check_k
 
 
@@ -47,9 +47,10 @@ def batched_speculative_generate(model, prompts, max_new_tokens: int, make_draft
     accepted counts per row, ``[{row: n}, ...]``, to show the rows diverge."""
     k = check_k(k)
     prompts = [check_prompt(p, model.config.vocab_size) for p in prompts]
-    limit = model.config.n_positions
-    if not prompts or max(len(p) for p in prompts) + max_new_tokens > limit:
-        raise ValueError(f"need at least one prompt, each fitting {limit} positions with max_new_tokens")
+    if not prompts:
+        raise ValueError("batched_speculative_generate needs at least one prompt")
+    check_context(max(len(p) for p in prompts) + max_new_tokens, model.config.n_positions,
+                  "the longest prompt + max_new_tokens")
     num_blocks = sum(blocks_for(len(p) + max_new_tokens, block_size) for p in prompts)
     cache = PagedPool.for_model(model, num_blocks, block_size)
     rows = {i: list(p) for i, p in enumerate(prompts)}

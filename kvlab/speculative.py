@@ -32,8 +32,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .cache import PastLenCache, SlidingWindowKVCache
-from .validate import _is_int, check_inputs
+from .batching import cut_at
+from .cache import SlidingWindowKVCache
+from .pastlen import PastLenCache
+from .validate import check_context, check_inputs, is_int as _is_int
 from .gpt2 import GPT2
 from .drafts import ModelDraft, PromptLookupDraft, SelfDraft, first_layers, share_first_layers  # noqa: F401
 
@@ -64,10 +66,8 @@ def check_draft(target, draft, total_len: int) -> None:
     if vocab is not None and vocab != vocab_of(target):
         raise ValueError(f"the draft has a vocabulary of {vocab} tokens, the target {vocab_of(target)}: a "
                          "draft must share the target's tokenizer (token ids mean the same text)")
-    limit = getattr(draft, "context", None)
-    if limit is not None and total_len > limit:
-        raise ValueError(f"the draft's context is {limit} positions but the run needs {total_len} "
-                         "(prompt + max_new_tokens): use a draft with a longer context, or generate less")
+    check_context(total_len, getattr(draft, "context", None), "the run in the draft (prompt + max_new_tokens)",
+                  fix="use a draft with a longer context, or generate less")
 
 
 def check_same_tokenizer(tok_a, tok_b) -> None:
@@ -168,10 +168,8 @@ def verify(model, cache, tokens: list[int], drafted: list[int]) -> list[int]:
     """One target step (the lab's exercise; this is the library's): feed the pending token and the
     drafts, accept the agreeing prefix, add the target's own next token, rewind. Returns the new tokens."""
     L = len(tokens)
-    limit = context_of(model)
-    if L - 1 + len(drafted) >= limit:
-        raise ValueError(f"{len(drafted)} drafted tokens after {L} would pass the context of {limit} "
-                         "positions: draft at most the context left minus one")
+    check_context(L + len(drafted), context_of(model), f"{L} tokens + {len(drafted)} drafted",
+                  fix="draft at most the context left minus one (the target's own token needs a position)")
     x = torch.tensor([[tokens[-1], *drafted]], device=next(model.parameters()).device)
     choice = logits_of(model, x, cache).argmax(dim=-1).tolist()    # row i: the target's token after x[i]
     n = 0
@@ -179,13 +177,6 @@ def verify(model, cache, tokens: list[int], drafted: list[int]) -> list[int]:
         n += 1
     cache.rewind(L + n)          # keep the pending token and the n accepted drafts; drop the rest
     return drafted[:n] + [choice[n]]
-
-
-def _stop_at_eos(tokens: list[int], new: list[int], eos) -> list[int]:
-    """``new`` cut after its first ``eos`` (generation ends there, drafts after it are not emitted)."""
-    if eos is not None and eos in new:
-        return new[:new.index(eos) + 1]
-    return new
 
 
 def _prepare(model, input_ids, max_new_tokens, draft, k, cache):
@@ -216,7 +207,7 @@ def speculative_generate(model, input_ids, max_new_tokens: int, draft, k: int = 
         new = step(model, cache, tokens, drafted)
         stats.drafted.append(len(drafted))
         stats.accepted.append(len(new) - 1)
-        new = _stop_at_eos(tokens, new, eos_token_id)
+        new = cut_at(new, eos_token_id)             # generation ends at EOS: drafts after it are not emitted
         tokens += new
         draft.accept(tokens)
     if cache.seq_len > len(tokens) - 1:      # an EOS inside the accepted drafts: forget what followed

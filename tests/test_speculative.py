@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from kvlab import loading, paths
-from kvlab.cache import ConcatCache, PastLenCache, PreallocatedCache, SlidingWindowKVCache
+from kvlab.cache import ConcatCache, PreallocatedCache, SlidingWindowKVCache
+from kvlab.pastlen import PastLenCache
 from kvlab.gpt2 import GPT2, GPTConfig
 from kvlab.paged_cache import PagedCache
 from kvlab.specbatch import batched_speculative_generate
