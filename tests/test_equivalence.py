@@ -7,7 +7,9 @@ eager and compiled (8), the paged cache inside the serving engine (9), and each 
 left-padded batch (6). Edges: a 1-token prompt, a cache filled to exactly max_len (and the whole
 context), a prompt that ends exactly on a block boundary, a sequence that crosses one during decode.
 Quantized caches are held to their stated tolerance (``kvlab.quant_cache.TOLERANCE``). Every cache kind is
-rewound: generate, rewind, regenerate, same tokens.
+rewound: generate, rewind, regenerate, same tokens. Speculative greedy decoding (chapter 10) with each
+draft (prompt lookup, kvlab-nano, the target's first layers) on each cache kind it rewinds
+(preallocated, static, paged, transformers' DynamicCache through ``crop``) gives the same tokens too.
 """
 
 import pytest
@@ -237,3 +239,34 @@ def test_reference_tokens_is_chapter_3(setup, prompts, want):
     _, _, ours = setup
     for name, ids in prompts:
         assert reference_tokens(ours, ids[0].tolist(), N) == want[name][0, -N:].tolist()
+
+
+def speculative_drafts(hf_ours):
+    from kvlab import loading
+    from kvlab.speculative import ModelDraft, PromptLookupDraft, SelfDraft
+
+    nano = GPT2.from_hf(loading.load("kvlab-nano", device="cpu")[0])
+    return {"prompt lookup": PromptLookupDraft(), "kvlab-nano": ModelDraft(nano),
+            "self-draft (2 layers)": SelfDraft(hf_ours, 2)}
+
+
+@pytest.mark.parametrize("k", [1, 4])
+def test_speculative_greedy_every_draft_every_cache(setup, prompts, want, k):
+    """Chapter 10: draft k, verify in one forward, rewind every cache: the reference's tokens, for each
+    draft and each cache kind (the hand-built model's three, and transformers' own model with its
+    DynamicCache, rewound by ``crop(-count)``)."""
+    from kvlab.speculative import HFCache, speculative_generate
+
+    hf, _, ours = setup
+    wrong = []
+    for draft_name, draft in speculative_drafts(ours).items():
+        for name, ids in prompts:
+            n = ids.shape[1] + N
+            runs = {"preallocated": (ours, None), "static": (ours, StaticKVCache(*_sizes(ours, 1, n))),
+                    "paged (block 4)": (ours, PagedCache(*_sizes(ours, 1, n), block_size=4)),
+                    "transformers DynamicCache": (hf, HFCache(hf.config))}
+            for cache_name, (model, cache) in runs.items():
+                out, _ = speculative_generate(model, ids, N, draft, k, cache=cache)
+                if not torch.equal(out, want[name]):
+                    wrong.append(f"{draft_name} on {cache_name}, {name}")
+    assert not wrong, f"different greedy tokens (k={k}): {wrong}"
