@@ -46,7 +46,7 @@ def test_default_chooser(monkeypatch, capsys):
     assert name == "kvlab-tiny" and "no gpt2 here" in why
     assert capsys.readouterr().out == ""            # the library chooses; the banner says why
     monkeypatch.setattr(loading, "gpt2_loadable", lambda: (True, "cached"))
-    assert loading.default_model_name() == "gpt2"
+    assert loading.default_model()[0] == "gpt2"
 
 
 def test_shape_only_models_are_marked():
@@ -193,7 +193,8 @@ def test_domain_modules_print_plot_and_tabulate_nothing():
     import kvlab
 
     root = pathlib.Path(kvlab.__file__).parent
-    for name in ("gpt2", "cache", "static", "paged", "serving", "quant", "roofline", "memory", "batching"):
+    for name in ("gpt2", "cache", "static", "paged", "serving", "quant", "roofline", "memory", "batching",
+                 "speculative", "drafts", "specbatch"):
         files = [root / f"{name}.py"] if (root / f"{name}.py").exists() else sorted((root / name).glob("*.py"))
         assert files, f"kvlab/{name} not found"
         src = "\n".join(f.read_text() for f in files)
