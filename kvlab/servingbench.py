@@ -22,7 +22,6 @@ import torch
 from . import progress
 from .serving.reference import References
 from .paged import BlockAllocator, blocks_for
-from .paged_cache import PagedPool
 from .roofline import lm_head, cache_read_bytes, matmul_weights, weight_bytes
 from .serving import BlockManager, Engine, Runner, Sequence, Status
 from .timing import Timing, compare
@@ -165,7 +164,7 @@ def prepared_steps(model, rows: int, context: int, prompt_len: int, block_size: 
 
     nb = rows * blocks_for(context + 1, block_size) + blocks_for(prompt_len, block_size)
     bm = BlockManager(nb, block_size, prefix_caching=False)
-    runner, rng, vocab = Runner(model, PagedPool.for_model(model, nb, block_size), gather), random.Random(0), \
+    runner, rng, vocab = Runner(model, nb, block_size, gather), random.Random(0), \
         model.config.vocab_size
     decode = []
     for i in range(rows):

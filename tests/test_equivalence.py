@@ -18,10 +18,10 @@ from kvlab.cache import ConcatCache, PreallocatedCache, SlidingWindowKVCache
 from kvlab.reference import cached_generate, hf_greedy, naive_generate
 from kvlab.gpt2 import GPT2, generate, generate_uncached
 from kvlab.harness import rewind_and_regenerate
-from kvlab.paged_cache import PagedCache, PagedPool, ragged_forward
+from kvlab.paged_cache import PagedCache
 from kvlab.quant_cache import TOLERANCE, AbsmaxFakeInt8Cache, QuantizedKVCache
 from kvlab.quantbench import agreement, score_through_cache
-from kvlab.serving import Engine
+from kvlab.serving import BlockManager, Engine, Runner, Sequence
 from kvlab.serving.reference import reference_tokens
 from kvlab.static import StaticKVCache, StaticDecoder
 
@@ -131,18 +131,21 @@ def test_serving_engine_gives_each_prompt_its_own_tokens(setup, prompts, want):
 
 
 def test_ragged_step_by_hand(setup, prompts, want):
-    """The paged cache alone, one ragged step at a time: two prefills in one step, then both decode."""
+    """The runner alone, one ragged step at a time: two prefills in one step, then both decode, each
+    query scoring its own sequence's keys only (kvlab.ragged.Segments)."""
     _, _, ours = setup
     (a_name, a), (b_name, b) = prompts[0], prompts[5]
-    cache = PagedPool.for_model(ours, num_blocks=32, block_size=4)
-    logits = ragged_forward(ours, cache, ["a", "b"], [a[0].tolist(), b[0].tolist()])
-    out = [[t] for t in logits.argmax(-1).tolist()]
-    for _ in range(N - 1):
-        logits = ragged_forward(ours, cache, ["a", "b"], [out[0][-1:], out[1][-1:]])
-        for row, t in zip(out, logits.argmax(-1).tolist()):
-            row.append(t)
-    assert out == [want[a_name][0, -N:].tolist(), want[b_name][0, -N:].tolist()]
-    assert cache.lengths == {"a": a.shape[1] + N - 1, "b": b.shape[1] + N - 1}
+    blocks, runner = BlockManager(32, 4, prefix_caching=False), Runner(ours, 32, 4)
+    seqs = [Sequence(name, tuple(x[0].tolist()), N) for name, x in (("a", a), ("b", b))]
+    for _ in range(N):
+        work = []
+        for s in seqs:
+            runner.copy_blocks(blocks.allocate(s, s.num_tokens))
+            work.append((s, s.to_compute))
+        for (s, n), t in zip(work, runner.run(work)):
+            s.num_computed += n
+            s.append(t)
+    assert [s.output for s in seqs] == [want[a_name][0, -N:].tolist(), want[b_name][0, -N:].tolist()]
 
 
 def test_left_padded_batches(setup):
