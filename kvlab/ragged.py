@@ -59,9 +59,14 @@ class Segments:
         if self.gather is not None:     # a pluggable gather, one sequence at a time
             rows = tables if tables.dim() == 2 else tables[None]
             return torch.stack([self.gather(pool_layer, t.tolist(), length) for t in rows])
-        x = pool_layer[tables if tables.dim() == 2 else tables[None]]      # [b, width, H, bs, D]
-        b, width, H, bs, D = x.shape
-        return x.transpose(1, 2).reshape(b, H, width * bs, D)[:, :, :length]
+        # the blocks in table order (index_select on the block dim copies whole blocks, the fastest
+        # gather measured here), then heads before tokens: [b, H, width * bs, D], contiguous for SDPA
+        rows = tables if tables.dim() == 2 else tables[None]
+        b, width = rows.shape
+        x = pool_layer.index_select(0, rows.reshape(-1))                   # [b * width, H, bs, D]
+        _, H, bs, D = x.shape
+        x = x.view(b, width, H, bs, D).permute(0, 2, 1, 3, 4).contiguous()
+        return x.view(b, H, width * bs, D)[:, :, :length]
 
     def mask(self, i: int, additive: bool, dtype, device):
         """The one rule for chunk ``i``: ``[1, 1, n, L]`` (bool, or 0/-inf if ``additive``)."""
