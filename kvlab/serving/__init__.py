@@ -11,11 +11,12 @@ Measurements (workloads, arrivals, metrics, tables, plots) live in :mod:`kvlab.s
 
 from .block_manager import AllocatorBlocks, BlockManager
 from .clock import Clock, Trace
+from .config import EngineConfig
 from .engine import Engine
 from .runner import RaggedStep, Runner, allocate_kv_cache, step_inputs
 from .scheduler import Batch, Scheduler
 from .sequence import Sequence, Status
 
-__all__ = ["AllocatorBlocks", "Batch", "BlockManager", "Clock", "Engine", "RaggedStep", "Runner", "Scheduler",
+__all__ = ["AllocatorBlocks", "Batch", "BlockManager", "Clock", "Engine", "EngineConfig", "RaggedStep", "Runner", "Scheduler",
            "Sequence", "Status", "Trace", "allocate_kv_cache",
            "step_inputs"]

@@ -24,6 +24,7 @@ import operator
 from ..paged import blocks_for
 from .block_manager import AllocatorBlocks, BlockManager
 from .clock import Clock, Trace
+from .config import EngineConfig
 from .runner import Runner
 from .scheduler import Scheduler
 from .sequence import Sequence, Status
@@ -46,19 +47,21 @@ def _int(name: str, v, lo: int, hi: int | None = None) -> int:
 class Engine:
     """Serves requests on a paged cache; ``admission``/``batching`` pick the policy (see Scheduler)."""
 
-    def __init__(self, model, num_blocks: int, block_size: int = 16, max_num_batched_tokens: int = 256,
+    def __init__(self, model, num_blocks: int | None = None, block_size: int = 16, max_num_batched_tokens: int = 256,
                  max_num_seqs: int = 16, chunked_prefill: bool = True, admission: str = "on-demand",
                  batching: str = "continuous", prefix_caching: bool = True, max_len: int | None = None,
                  allocator_cls=None, gather=None, clock: Clock | None = None, scheduler_cls=Scheduler,
-                 block_manager_cls=BlockManager):
-        self.model, self.config = model, model.config
-        _int("num_blocks", num_blocks, 1)
-        _int("block_size", block_size, 1)
-        self.blocks = (block_manager_cls(num_blocks, block_size, prefix_caching) if allocator_cls is None
-                       else AllocatorBlocks(allocator_cls, num_blocks, block_size))
-        self.scheduler = scheduler_cls(self.blocks, max_num_batched_tokens, max_num_seqs, chunked_prefill, admission,
-                                   batching, max_len)
-        self.runner = Runner(model, num_blocks, block_size, gather)      # owns the pool's tensors
+                 block_manager_cls=BlockManager, running_order: str = "decode-first",
+                 config: EngineConfig | None = None):
+        cfg = config or EngineConfig(num_blocks, block_size, max_num_batched_tokens, max_num_seqs, max_len,
+                                     chunked_prefill, prefix_caching, admission, batching, running_order)
+        self.model, self.config, self.engine_config = model, model.config, cfg   # checked once, above
+        self.blocks = (block_manager_cls(cfg.num_blocks, cfg.block_size, cfg.prefix_caching) if allocator_cls is None
+                       else AllocatorBlocks(allocator_cls, cfg.num_blocks, cfg.block_size))
+        order = {} if cfg.running_order == "decode-first" else {"running_order": cfg.running_order}
+        self.scheduler = scheduler_cls(self.blocks, cfg.max_num_batched_tokens, cfg.max_num_seqs, cfg.chunked_prefill,
+                                       cfg.admission, cfg.batching, cfg.max_len, **order)
+        self.runner = Runner(model, cfg.num_blocks, cfg.block_size, gather)      # owns the pool's tensors
         self.clock, self.trace = clock or Clock(self.runner.device), Trace()
         self.pending: list[Sequence] = []      # submitted, not yet arrived (by arrival time)
         self.seqs: dict = {}                    # every request ever submitted, by id
@@ -69,10 +72,10 @@ class Engine:
     def submit(self, prompt, max_new_tokens: int, eos_token_id=None, rid=None, arrival: float = 0.0) -> Sequence:
         """Queue a request; refused here (ValueError naming the fix) if it could never be served."""
         seq = self._new_sequence(prompt, max_new_tokens, eos_token_id, rid, arrival)
-        why = self.scheduler.never_fits(seq)
+        share = self._shared_prefix(seq)
+        why = self.scheduler.never_fits(seq, len(share.prompt) if share is not None else 0)
         if why:
             raise ValueError(f"request {seq.rid!r} can never be served: {why}")
-        share = self._shared_prefix(seq)
         if share is not None:
             self.blocks.fork(share, seq)        # its first write into a partly filled block copies it
             seq.cached_tokens += seq.num_computed

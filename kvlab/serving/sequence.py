@@ -39,6 +39,8 @@ class Sequence:
     error: str | None = None
     preemptions: int = 0                              # times its blocks were taken back (recompute)
     cached_tokens: int = 0                            # prompt tokens found in the prefix cache, all admissions
+    block_keys: list = field(default_factory=list)    # prefix-cache keys of its full blocks, each hashed once
+    committed: int = 0                                # full blocks already offered to the prefix cache
 
     @property
     def tokens(self) -> list[int]:
@@ -70,5 +72,6 @@ class Sequence:
         """Preempted by recompute: its blocks were freed; every token it has will be computed again."""
         self.block_table = []
         self.num_computed = 0
+        self.committed = 0                 # its new blocks must be offered again (its keys stay valid)
         self.status = Status.WAITING
         self.preemptions += 1
