@@ -8,7 +8,8 @@ Metrics, from the engine's trace (times on its :class:`~kvlab.serving.clock.Cloc
   (last token - first token) / (tokens - 1); end-to-end latency: last token - arrival;
 * decode stall: the longest gap between two consecutive tokens of one request;
 * throughput: output tokens / the run's duration; goodput: requests that met both a TTFT and a TPOT
-  target, per second (DistServe's definition);
+  target, per second (vLLM bench's *request goodput*); DistServe's goodput, the highest arrival rate
+  at which a given share of requests meets them, is :func:`slo_goodput` over a sweep of rates;
 * used/reserved: tokens held by running sequences / the slots reserved for them, averaged over steps.
 """
 
@@ -22,7 +23,7 @@ import torch
 from . import progress
 from .serving.reference import References
 from .paged import BlockAllocator, blocks_for
-from .roofline import lm_head, cache_read_bytes, matmul_weights, weight_bytes
+from .roofline import lm_head, cache_read_bytes, forward_floor, matmul_weights, weight_bytes
 from .serving import BlockManager, Engine, Runner, Sequence, Status
 from .timing import Timing, compare
 from .verdicts import NOISE, on, told_apart
@@ -191,6 +192,43 @@ def mixed_step_timings(model, rows: int, context: int, prompt_len: int, repeats:
     return compare(fns, warmup=1, repeats=repeats, progress=False)
 
 
+def mixed_vs_parts(mix: dict) -> dict:
+    """Per interleaved round, the sum and the larger of the two parts' times (decode rows alone, prefill
+    alone), as Timings beside the merged step's: the roofline's question is which one it tracks."""
+    d, p = mix["decode rows alone"].samples, mix["prefill alone"].samples
+    return {"sum of the parts": Timing("sum of the parts", [a + b for a, b in zip(d, p)]),
+            "larger part": Timing("larger part", [max(a, b) for a, b in zip(d, p)])}
+
+
+def mixed_floors(model, rows: int, context: int, prompt_len: int, bandwidth: float, flops: float) -> dict:
+    """Chapter 7's floor (:func:`kvlab.roofline.forward_floor`) of the decode rows, of the prefill and of
+    both in one step: a memory-bound merged step costs about its larger part (the weights are read once)."""
+    dec = forward_floor(model, rows, rows, rows * context, rows * context, bandwidth, flops)
+    pre = forward_floor(model, prompt_len, 1, 0, prompt_len * (prompt_len - 1) // 2, bandwidth, flops)
+    both = forward_floor(model, rows + prompt_len, rows + 1, rows * context,
+                         rows * context + prompt_len * (prompt_len - 1) // 2, bandwidth, flops)
+    return dict(decode=dec, prefill=pre, merged=both)
+
+
+def ragged_vs_contiguous(model, rows: int, context: int, repeats: int = 5) -> dict:
+    """Interleaved timings of one decode step of ``rows`` sequences holding ``context`` tokens each (equal
+    lengths): the engine's ragged step on the paged pool, and chapter 3's batched step on a contiguous
+    :class:`~kvlab.cache.PreallocatedCache` (rewound after each run, so every run is the same step)."""
+    runner, decode, _ = prepared_steps(model, rows, context, 1)
+    cache = model.new_cache(rows, context + 1)
+    ids = torch.randint(1, model.config.vocab_size, (rows, context + 1), device=runner.device)
+    with torch.no_grad():
+        model(ids[:, :context], cache)
+
+    def contiguous():
+        with torch.no_grad():
+            model(ids[:, context:], cache, last_only=True)
+        cache.rewind(context)
+
+    fns = {"ragged step (paged)": lambda: runner.run(decode), "contiguous step (chapter 3)": contiguous}
+    return compare(fns, warmup=2, repeats=repeats, progress=False)
+
+
 def block_size_timings(model, variants: dict, rows: int, context: int, repeats: int = 5) -> dict:
     """Median seconds of one decode step of ``rows`` sequences holding ``context`` tokens each, per
     variant ``name -> (block_size, gather)`` (``gather=None``: one indexing op for the whole step)."""
@@ -287,6 +325,14 @@ def poisson_sweep(model, workload, rates, policies: dict, repeats: int = 1, seed
     for row in rows.values():
         row.update({k: median_of(row["runs"], k) for k in row["runs"][0]})
     return list(rows.values())
+
+
+def slo_goodput(rows: list[dict], policy: str, attainment: float = 0.9) -> float | None:
+    """DistServe's goodput: the highest arrival rate of the sweep at which at least ``attainment`` of the
+    requests met both latency targets (median over rounds); None if no rate did. (The ``goodput`` column
+    of :func:`summarize` is vLLM bench's request goodput: requests meeting the targets per second.)"""
+    ok = [r["rate"] for r in rows if r["policy"] == policy and r["met"] >= attainment]
+    return max(ok) if ok else None
 
 
 # ---------------------------------------------------------------------------------------------------

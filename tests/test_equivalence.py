@@ -221,3 +221,29 @@ def test_reference_tokens_is_chapter_3(setup, prompts, want):
     _, _, ours = setup
     for name, ids in prompts:
         assert reference_tokens(ours, ids[0].tolist(), N) == want[name][0, -N:].tolist()
+
+
+def test_serving_features_sampling_stop_n_and_preemption_with_prefix_caching(setup, prompts):
+    """Chapter 9's engine, with what servers offer: per-request sampling with a seed (the same tokens as the
+    uncached sampler with the same generator), stop tokens, n > 1 samples forked from the prompt's blocks
+    (copy-on-write), and preemption with prefix caching on (the recompute finds the victim's own blocks)."""
+    from kvlab.serving import SamplingParams
+    from kvlab.serving.reference import reference_tokens, sampled_reference
+    _, _, ours = setup
+    eng = Engine(ours, num_blocks=14, block_size=4, max_num_batched_tokens=16, max_num_seqs=4)
+    hot = SamplingParams(temperature=0.9, top_k=40, top_p=0.9, seed=7, n=3)
+    text0 = prompts[0][1][0].tolist()
+    multi = eng.submit(text0, 10, sampling=hot)
+    greedy = [eng.submit(ids[0].tolist(), N) for _, ids in prompts[1:4]]
+    first = reference_tokens(ours, prompts[4][1][0].tolist(), N)
+    stop = eng.submit(prompts[4][1][0].tolist(), N, sampling=SamplingParams(stop=(first[3],)))
+    eng.run()
+    samples = [multi] + [eng.seqs[(multi.rid, i)] for i in (1, 2)]
+    for i, s in enumerate(samples):
+        assert s.output == sampled_reference(ours, text0, 10, hot, offset=i), i
+    assert len({tuple(s.output) for s in samples}) > 1                 # three samples, not one copied
+    for (_, ids), s in zip(prompts[1:4], greedy):
+        assert s.output == reference_tokens(ours, ids[0].tolist(), N)
+    assert stop.output == first[:first.index(first[3]) + 1]            # ends on its stop token
+    assert eng.blocks.copies >= 1 and eng.scheduler.preemptions >= 1
+    assert any(s.preemptions and s.cached_tokens for s in eng.seqs.values())   # a recompute found its blocks

@@ -333,3 +333,18 @@ def test_static_batch_takes_all_that_memory_and_max_num_seqs_allow():
         sizes.append(len(eng.scheduler.running))
     assert max(sizes) == 5 and sizes.count(5) >= 2      # two batches of 5 (then 2); the old rule: 1 or 2
     assert all(s.output == fake_reference([1 + i] * 9, 6, V) for i, s in enumerate(seqs))
+
+
+def test_sampling_params_are_checked_and_n_samples_fork():
+    from kvlab.serving import SamplingParams
+    for kw, needle in [(dict(temperature=-1), "temperature"), (dict(top_k=-1), "top_k"), (dict(top_p=0), "top_p"),
+                       (dict(n=0), "n "), (dict(seed=1.5), "seed"), (dict(stop=[3]), "stop")]:
+        with pytest.raises(ValueError, match=needle):
+            SamplingParams(**kw)
+    eng = Engine(FakeLM(vocab=V), num_blocks=16, block_size=4)
+    with pytest.raises(ValueError, match="SamplingParams"):
+        eng.submit([1, 2], 3, sampling="greedy")
+    seq = eng.submit([1, 2, 3, 4, 5, 6], 5, sampling=SamplingParams(n=3))   # greedy samples: all equal
+    eng.run()
+    assert [eng.seqs[r].output for r in (seq.rid, (seq.rid, 1), (seq.rid, 2))] == [fake_reference([1, 2, 3, 4, 5, 6], 5, V)] * 3
+    assert eng.blocks.copies >= 2 and eng.blocks.num_free == 16

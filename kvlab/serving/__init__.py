@@ -14,9 +14,10 @@ from .clock import Clock, Trace
 from .config import EngineConfig
 from .engine import Engine
 from .runner import RaggedStep, Runner, allocate_kv_cache, step_inputs
+from .sampling import SamplingParams, sample
 from .scheduler import Batch, Scheduler
 from .sequence import Sequence, Status
 
-__all__ = ["AllocatorBlocks", "Batch", "BlockManager", "Clock", "Engine", "EngineConfig", "RaggedStep", "Runner", "Scheduler",
+__all__ = ["AllocatorBlocks", "Batch", "BlockManager", "Clock", "Engine", "EngineConfig", "RaggedStep", "Runner", "SamplingParams", "Scheduler",
            "Sequence", "Status", "Trace", "allocate_kv_cache",
-           "step_inputs"]
+           "sample", "step_inputs"]

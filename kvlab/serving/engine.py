@@ -26,6 +26,7 @@ from .block_manager import AllocatorBlocks, BlockManager
 from .clock import Clock, Trace
 from .config import EngineConfig
 from .runner import Runner
+from .sampling import SamplingParams
 from .scheduler import Scheduler
 from .sequence import Sequence, Status
 from ..validate import check_context
@@ -69,8 +70,13 @@ class Engine:
         self.split_steps = 0                    # steps whose one forward raised and were rerun per request
 
     # -- requests -------------------------------------------------------------------------------
-    def submit(self, prompt, max_new_tokens: int, eos_token_id=None, rid=None, arrival: float = 0.0) -> Sequence:
-        """Queue a request; refused here (ValueError naming the fix) if it could never be served."""
+    def submit(self, prompt, max_new_tokens: int, eos_token_id=None, rid=None, arrival: float = 0.0,
+               sampling: SamplingParams | None = None) -> Sequence:
+        """Queue a request; refused here (ValueError naming the fix) if it could never be served.
+        ``sampling`` (:class:`SamplingParams`): greedy when None; with ``n > 1`` the other samples are
+        ``seq.children`` (ids ``(rid, 1)``, ...), forked from it once its prompt is computed."""
+        if sampling is not None and not isinstance(sampling, SamplingParams):
+            raise ValueError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
         seq = self._new_sequence(prompt, max_new_tokens, eos_token_id, rid, arrival)
         share = self._shared_prefix(seq)
         why = self.scheduler.never_fits(seq, len(share.prompt) if share is not None else 0)
@@ -79,6 +85,7 @@ class Engine:
         if share is not None:
             self.blocks.fork(share, seq)        # its first write into a partly filled block copies it
             seq.cached_tokens += seq.num_computed
+        self._sampled(seq, sampling)
         self.seqs[seq.rid] = seq
         self.pending.append(seq)
         self.pending.sort(key=lambda s: s.arrival)
@@ -99,6 +106,31 @@ class Engine:
                 or arrival < 0:
             raise ValueError(f"arrival must be a finite number of seconds >= 0, got {arrival!r}")
         return Sequence(rid, ids, m, eos, float(arrival))
+
+    def _sampled(self, seq: Sequence, sampling: SamplingParams | None) -> None:
+        """Give ``seq`` its sampling parameters and generator, and make its ``n - 1`` sibling samples."""
+        if sampling is None:
+            return
+        seq.sampling, seq.generator = sampling, sampling.generator(0)
+        for i in range(1, sampling.n):
+            child = Sequence((seq.rid, i), seq.prompt, seq.max_new_tokens, seq.eos_token_id, seq.arrival,
+                             sampling=sampling, generator=sampling.generator(i))
+            if child.rid in self.seqs:
+                raise ValueError(f"request id {child.rid!r} is already used: give each request its own id")
+            seq.children.append(child)
+        for child in seq.children:
+            self.seqs[child.rid] = child
+
+    def _fork_children(self, seq: Sequence) -> None:
+        """Its prompt is computed: each sibling sample shares its blocks (copy-on-write) and recomputes
+        only the prompt's last token, whose logits give that sample its own first token."""
+        for child in seq.children:
+            self.blocks.fork(seq, child)
+            child.num_computed = len(seq.prompt) - 1
+            child.status = Status.RUNNING
+            self.scheduler.running.append(child)
+            self.scheduler.reserved += self.scheduler.reservation(child)
+        seq.children = []
 
     def add_prefix(self, tokens) -> Sequence:
         """Prefill ``tokens`` once and pin their blocks; a later prompt that starts with them (and is
@@ -184,6 +216,8 @@ class Engine:
             if tok is not None:
                 seq.append(tok)
                 emitted.append(seq)
+                if seq.children:
+                    self._fork_children(seq)
                 if seq.done:
                     self.scheduler.retire(seq, Status.FINISHED)
         return emitted

@@ -18,6 +18,7 @@ from ..cache import Cache
 from ..configs import kv_dims
 from ..paged import blocks_for, copy_block
 from ..ragged import Segments
+from .sampling import sample
 from .sequence import Sequence
 
 
@@ -131,8 +132,6 @@ class Runner:
         token (None for a prompt chunk that does not)."""
         ids, view, rows = self.prepare(work)
         logits = self.model(ids, cache=view, select=rows)    # positions: the view's plan
-        new = logits[0].argmax(-1).tolist()       # the LM head ran only on the rows that get a token
-        out, it = [], iter(new)
-        for seq, n in work:
-            out.append(next(it) if seq.num_computed + n == seq.num_tokens else None)
-        return out
+        rows_out = iter(logits[0])                # the LM head ran only on the rows that get a token
+        return [sample(next(rows_out), seq.sampling, seq.generator) if seq.num_computed + n == seq.num_tokens
+                else None for seq, n in work]
