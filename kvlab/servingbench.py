@@ -23,7 +23,7 @@ import torch
 from . import progress as _progress
 from .serving.reference import References
 from .paged import BlockAllocator, blocks_for
-from .roofline import lm_head, cache_read_bytes, forward_floor, matmul_weights, weight_bytes
+from .roofline import forward_floor
 from .serving import BlockManager, Engine, Runner, Sequence, Status
 from .timing import Timing, compare
 from .verdicts import NOISE, on, told_apart
@@ -133,15 +133,10 @@ def used_share(eng: Engine) -> float:
 
 
 def step_floor(model, tokens: int, logit_rows: int, keys: int, pairs: int, bandwidth: float, flops: float) -> float:
-    """The least time one ragged step could take: every weight read once, the keys and values of the
-    step's sequences read once; FLOPs of ``tokens`` through the layers, of the LM head for the
-    ``logit_rows`` rows that get logits only, and of attention over ``pairs`` (query, key) pairs."""
-
-    cfg = model.config
-    head = lm_head(model).numel()
-    fl = 2 * tokens * (matmul_weights(model) - head) + 2 * logit_rows * head + 4 * cfg.n_layer * cfg.n_embd * pairs
-    by = weight_bytes(model) + cache_read_bytes(model, 1, keys)
-    return max(by / bandwidth, fl / flops)
+    """The least time one ragged step could take: chapter 7's :func:`kvlab.roofline.forward_floor` of
+    ``tokens`` new tokens (the LM head only for the ``logit_rows`` rows that get logits), reading the
+    ``keys - tokens`` keys already cached for the step's sequences and scoring ``pairs`` (query, key) pairs."""
+    return forward_floor(model, tokens, logit_rows, max(keys - tokens, 0), pairs, bandwidth, flops)
 
 
 def run_floor(eng: Engine, bandwidth: float, flops: float) -> float:

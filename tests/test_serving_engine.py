@@ -348,3 +348,22 @@ def test_sampling_params_are_checked_and_n_samples_fork():
     eng.run()
     assert [eng.seqs[r].output for r in (seq.rid, (seq.rid, 1), (seq.rid, 2))] == [fake_reference([1, 2, 3, 4, 5, 6], 5, V)] * 3
     assert eng.blocks.copies >= 2 and eng.blocks.num_free == 16
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_lab9_allocator_and_the_block_manager_agree_on_the_same_scenarios(seed):
+    """Lab 9's BlockAllocator (the lab's reference, through the block manager's interface) and the engine's
+    block manager (prefix cache off) drive the same workload: the same steps, blocks in use, preemptions,
+    copies and tokens."""
+    from kvlab.paged import BlockAllocator
+    wl = _workload(10, seed)
+    runs = []
+    for kw in (dict(allocator_cls=BlockAllocator), dict(prefix_caching=False)):
+        eng = Engine(FakeLM(vocab=V), num_blocks=12, block_size=4, max_num_batched_tokens=10, max_num_seqs=4, **kw)
+        eng.add_prefix([5, 6, 7, 8, 9, 10])                        # copy-on-write on both
+        seqs = [eng.submit(p, m) for p, m in wl]                  # all at t=0: no clock in the comparison
+        eng.run()
+        runs.append(([t["blocks_used"] for t in eng.trace.steps], eng.scheduler.preemptions, eng.blocks.copies,
+                     [s.output for s in seqs]))
+    assert runs[0] == runs[1]
+    assert runs[0][1] > 0 and runs[0][2] > 0
