@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from .cache import visible
+from .cache import EMPTY, visible
 
 
 class Segments:
@@ -55,18 +55,18 @@ class Segments:
         return scored, seen
 
     def keys(self, pool_layer: torch.Tensor, tables: torch.Tensor, length: int) -> torch.Tensor:
-        """``[b, H, length, D]``: the first ``length`` slots of each table's blocks, in token order."""
-        if self.gather is not None:     # a pluggable gather, one sequence at a time
-            rows = tables if tables.dim() == 2 else tables[None]
-            return torch.stack([self.gather(pool_layer, t.tolist(), length) for t in rows])
-        # the blocks in table order (index_select on the block dim copies whole blocks, the fastest
-        # gather measured here), then heads before tokens: [b, H, width * bs, D], contiguous for SDPA
+        """``[b, H, length, D]``: the first ``length`` slots of each table's blocks, in token order, from
+        one layer's pool ``[blocks, block_size, H, D]``."""
         rows = tables if tables.dim() == 2 else tables[None]
+        if self.gather is not None:     # a pluggable gather (lab 9's contract: [blocks, H, bs, D]), per sequence
+            view = pool_layer.transpose(1, 2)
+            return torch.stack([self.gather(view, t.tolist(), length) for t in rows])
+        # one copy: whole blocks in table order (index_select on the block dim, the fastest gather
+        # measured here) are the keys in token order; heads first is then a view
         b, width = rows.shape
-        x = pool_layer.index_select(0, rows.reshape(-1))                   # [b * width, H, bs, D]
-        _, H, bs, D = x.shape
-        x = x.view(b, width, H, bs, D).permute(0, 2, 1, 3, 4).contiguous()
-        return x.view(b, H, width * bs, D)[:, :, :length]
+        x = pool_layer.index_select(0, rows.reshape(-1))                   # [b * width, bs, H, D]
+        _, bs, H, D = x.shape
+        return x.view(b, width * bs, H, D)[:, :length].transpose(1, 2)
 
     def mask(self, i: int, additive: bool, dtype, device):
         """The one rule for chunk ``i``: ``[1, 1, n, L]`` (bool, or 0/-inf if ``additive``)."""
@@ -80,18 +80,27 @@ class Segments:
     def attend(self, q, pool_k, pool_v, attention_fn, additive: bool):
         """``q`` ``[1, H, N, D]`` over one layer's pools: ``[1, H, N, D]``, each segment through
         ``attention_fn(q, k, v, mask)`` (the model's own attention)."""
+        if not self.chunks and len(self.decode) == 1:            # one segment: every row decodes, same length
+            (L, (cols, tables)), = self.decode.items()
+            if cols.numel() == self.n_tokens:                      # the columns are 0..N-1, in order
+                return self._decode(q[0].transpose(0, 1)[:, :, None], pool_k, pool_v, L, tables, attention_fn,
+                                    additive)[:, :, 0].transpose(0, 1)[None]
         out = torch.empty_like(q)
         for L, (cols, tables) in self.decode.items():            # every key visible: no mask to apply
             qs = q[0][:, cols].transpose(0, 1)[:, :, None]        # [b, H, 1, D]
-            k, v = self.keys(pool_k, tables, L), self.keys(pool_v, tables, L)
-            full = None if additive else torch.ones(1, 1, 1, L, dtype=torch.bool, device=q.device)
-            out[0][:, cols] = attention_fn(qs, k, v, full)[:, :, 0].transpose(0, 1)
+            out[0][:, cols] = self._decode(qs, pool_k, pool_v, L, tables, attention_fn, additive)[:, :, 0].transpose(0, 1)
         for i, (start, n, table, pos) in enumerate(self.chunks):
             L = int(pos[-1]) + 1
             k, v = self.keys(pool_k, table, L), self.keys(pool_v, table, L)
             mask = self.mask(i, additive, q.dtype, q.device)
             out[:, :, start:start + n] = attention_fn(q[:, :, start:start + n], k, v, mask)
         return out
+
+    def _decode(self, qs, pool_k, pool_v, L, tables, attention_fn, additive):
+        """``qs`` ``[b, H, 1, D]``: rows of one length ``L``, every key visible (no mask to apply)."""
+        k, v = self.keys(pool_k, tables, L), self.keys(pool_v, tables, L)
+        full = None if additive else torch.ones(1, 1, 1, L, dtype=torch.bool, device=qs.device)
+        return attention_fn(qs, k, v, full)
 
     def dense(self, pool_k, pool_v):
         """The step as ONE masked attention would see it (keys of every sequence side by side, ``key_pos``
@@ -101,7 +110,7 @@ class Segments:
         parts += [(list(range(s, s + n)), t, int(pos[-1]) + 1) for s, n, t, pos in self.chunks]
         ks = [self.keys(pool_k, t, L)[0] for _, t, L in parts]
         vs = [self.keys(pool_v, t, L)[0] for _, t, L in parts]
-        key_pos = torch.full((1, self.n_tokens, sum(L for *_, L in parts)), -1, dtype=torch.long)
+        key_pos = torch.full((1, self.n_tokens, sum(L for *_, L in parts)), EMPTY, dtype=torch.long)
         at = 0
         for cols, _, L in parts:
             key_pos[0, cols, at:at + L] = torch.arange(L)
