@@ -12,6 +12,9 @@ only the domain.
   gathers), ``paged_cache`` (the pool of blocks in the cache interface), ``ragged`` (attention over a
   ragged step, sequence by sequence), ``serving`` (sequence, block
   manager, scheduler, runner, engine, and the reference every request is checked against);
+* speculative decoding (chapter 10): ``speculative`` (draft, verify in one forward, accept, rewind every
+  cache; speculative sampling), ``drafts`` (prompt lookup, a small draft model, the target's own first
+  layers sharing its cache) and ``specbatch`` (batched speculation, each row rewound on its own blocks);
 * the arithmetic: ``memory`` (chapter 4's formula), ``roofline`` (chapter 7's floor of a step),
   ``flops`` (positions and FLOPs of chapter 1), ``batching`` (chapter 6's left-padded batches);
 * the inputs: ``configs`` (a model's shape and dtypes from any config), ``catalogue`` (the models the
@@ -23,15 +26,17 @@ Measurement: ``timing`` (honest timing), ``probes`` (the machine's bandwidth and
 ``harness`` (same tokens before timing, the decode-then-rewind timer), ``generators`` (the roster of
 the book's generators, one name each), ``footprint`` (the bytes tensors really hold),
 ``compilecount`` (what torch counts of a compiled function), per chapter ``quantbench`` (5),
-``rooflinebench`` (7), ``staticbench`` (8), ``servingbench`` (9); the commands ``bench`` (the headline
+``rooflinebench`` (7), ``staticbench`` (8), ``servingbench`` (9), ``specbench`` (10); the commands ``bench`` (the headline
 ratios), ``report`` (a device's measurements as JSON: ``report_sections``, ``machine``) and ``cli``
 (their argument checks).
 
-Presentation: ``tables`` (tables that fit the page), ``plots`` (figures), ``draw`` and ``draw_engine``
+Presentation: ``notebook`` (a notebook's setup in one call: threads, seed, device, model, banner),
+``tables`` (tables that fit the page), ``plots`` (figures), ``draw`` and ``draw_engine``
 (diagrams drawn from the objects the code builds), ``progress`` (progress bars only where someone
 watches), ``verdicts`` (sentences computed from measurements), ``provenance`` (what produced a
 number: banner and stamps), ``calculator`` (chapter 4's calculator), ``rooflineview`` and
-``staticview`` (chapters 7 and 8's tables, figures and sentences), ``results`` (recorded runs read back).
+``staticview`` (chapters 7 and 8's tables, figures and sentences), ``specreport`` (chapter 10's),
+``results`` (recorded runs read back).
 
 The course, apart (``kvlab.course``; the book imports none of it): ``checks`` (the lab graders),
 ``labs`` (solutions -> labs, never over a learner's cells), ``grade`` (a learner's scorecard),

@@ -7,7 +7,9 @@ eager and compiled (8), the paged cache inside the serving engine (9), and each 
 left-padded batch (6). Edges: a 1-token prompt, a cache filled to exactly max_len (and the whole
 context), a prompt that ends exactly on a block boundary, a sequence that crosses one during decode.
 Quantized caches are held to their stated tolerance (``kvlab.quant_cache.TOLERANCE``). Every cache kind is
-rewound: generate, rewind, regenerate, same tokens.
+rewound: generate, rewind, regenerate, same tokens. Speculative greedy decoding (chapter 10) with each
+draft (prompt lookup, kvlab-nano, the target's first layers) on each cache kind it rewinds
+(preallocated, static, paged, transformers' DynamicCache through ``crop``) gives the same tokens too.
 """
 
 import pytest
@@ -17,7 +19,7 @@ from kvlab.batching import batched_generate, generate_padded, make_batch, one_by
 from kvlab.cache import ConcatCache, PreallocatedCache, SlidingWindowKVCache
 from kvlab.reference import cached_generate, hf_greedy, naive_generate
 from kvlab.gpt2 import GPT2, generate, generate_uncached
-from kvlab.harness import rewind_and_regenerate
+from kvlab.harness import rewind_and_regenerate, rewinding_step
 from kvlab.paged_cache import PagedCache
 from kvlab.quant_cache import TOLERANCE, AbsmaxFakeInt8Cache, QuantizedKVCache
 from kvlab.quantbench import agreement, score_through_cache
@@ -33,9 +35,8 @@ TEXTS = ["And God said, Let there be light: and there was light.",
 
 
 @pytest.fixture(scope="module")
-def setup(tiny):
-    hf, tok = tiny
-    return hf, tok, GPT2.from_hf(hf)
+def setup(tiny, ours):
+    return (*tiny, ours)
 
 
 @pytest.fixture(scope="module")
@@ -200,6 +201,26 @@ def test_rewind_every_cache_kind(setup, prompts):
         assert cache.seq_len == ids.shape[1] + N - 1, name
 
 
+def test_rewinding_step_times_the_same_step_on_both_kinds_of_cache(setup, prompts):
+    """The decode-then-rewind timer: each call is the step after the cached prefix (the last logits of
+    a full forward) and leaves the cache as it found it, on a kvlab cache and on transformers'."""
+    from transformers import DynamicCache
+
+    hf, _, ours = setup
+    ids, p = prompts[0][1], 8
+    with torch.no_grad():
+        want = hf(ids[:, :p + 1]).logits[:, -1]
+        dynamic = DynamicCache(config=hf.config)
+        hf(ids[:, :p], cache=dynamic, use_cache=True)
+        mine = ours.new_cache(1, p + 1)
+        ours(ids[:, :p], mine)
+    for model, cache, length in ((hf, dynamic, dynamic.get_seq_length), (ours, mine, lambda: mine.seq_len)):
+        step = rewinding_step(model, cache, ids[:, p:p + 1], p)
+        first, again = step(), step()
+        assert length() == p and torch.equal(first, again)
+        assert torch.allclose(first, want, atol=1e-4)
+
+
 def test_rewind_refuses_what_is_gone(setup, prompts):
     """A window that has dropped tokens, or quantized blocks, cannot be rewound exactly: a clear error."""
     _, _, ours = setup
@@ -247,3 +268,34 @@ def test_serving_features_sampling_stop_n_and_preemption_with_prefix_caching(set
     assert stop.output == first[:first.index(first[3]) + 1]            # ends on its stop token
     assert eng.blocks.copies >= 1 and eng.scheduler.preemptions >= 1
     assert any(s.preemptions and s.cached_tokens for s in eng.seqs.values())   # a recompute found its blocks
+
+
+def speculative_drafts(hf_ours):
+    from kvlab import loading
+    from kvlab.speculative import ModelDraft, PromptLookupDraft, SelfDraft
+
+    nano = GPT2.from_hf(loading.load("kvlab-nano", device="cpu")[0])
+    return {"prompt lookup": PromptLookupDraft(), "kvlab-nano": ModelDraft(nano),
+            "self-draft (2 layers)": SelfDraft(hf_ours, 2)}
+
+
+@pytest.mark.parametrize("k", [1, 4])
+def test_speculative_greedy_every_draft_every_cache(setup, prompts, want, k):
+    """Chapter 10: draft k, verify in one forward, rewind every cache: the reference's tokens, for each
+    draft and each cache kind (the hand-built model's three, and transformers' own model with its
+    DynamicCache, rewound by ``crop(-count)``)."""
+    from kvlab.speculative import HFCache, speculative_generate
+
+    hf, _, ours = setup
+    wrong = []
+    for draft_name, draft in speculative_drafts(ours).items():
+        for name, ids in prompts:
+            n = ids.shape[1] + N
+            runs = {"preallocated": (ours, None), "static": (ours, StaticKVCache(*_sizes(ours, 1, n))),
+                    "paged (block 4)": (ours, PagedCache(*_sizes(ours, 1, n), block_size=4)),
+                    "transformers DynamicCache": (hf, HFCache(hf.config))}
+            for cache_name, (model, cache) in runs.items():
+                out, _ = speculative_generate(model, ids, N, draft, k, cache=cache)
+                if not torch.equal(out, want[name]):
+                    wrong.append(f"{draft_name} on {cache_name}, {name}")
+    assert not wrong, f"different greedy tokens (k={k}): {wrong}"
