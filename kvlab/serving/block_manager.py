@@ -173,16 +173,27 @@ class BlockManager:
                 self.key_of[b], self.block_of[key] = key, b
         seq.committed = full
 
-    def free(self, seq: Sequence) -> None:
-        """Drop the sequence's references; an unreferenced block goes to the free list, or (if it is
-        registered) to the most recently used end of the cache."""
-        for b in reversed(seq.block_table):    # the tail first: it is the least likely to be shared
+    def truncate(self, seq: Sequence, num_tokens: int) -> None:
+        """Keep the blocks that hold ``seq``'s first ``num_tokens`` tokens; the rest go back (a rewind:
+        chapter 10's rejected drafts). A kept partly filled block is overwritten by the next tokens."""
+        keep = blocks_for(num_tokens, self.block_size)
+        tail, seq.block_table = seq.block_table[keep:], seq.block_table[:keep]
+        self._release(tail)
+        seq.committed = min(seq.committed, num_tokens // self.block_size)
+
+    def _release(self, blocks) -> None:
+        for b in reversed(blocks):    # the tail first: it is the least likely to be shared
             self._ref[b] -= 1
             if self._ref[b] == 0:
                 if self.key_of[b] is not None:
                     self.cached[b] = None
                 else:
                     self._free.append(b)
+
+    def free(self, seq: Sequence) -> None:
+        """Drop the sequence's references; an unreferenced block goes to the free list, or (if it is
+        registered) to the most recently used end of the cache."""
+        self._release(seq.block_table)
         seq.block_table = []
 
 
@@ -250,6 +261,23 @@ class AllocatorBlocks:
 
     def commit(self, seq: Sequence) -> None:
         pass
+
+    def truncate(self, seq: Sequence, num_tokens: int) -> None:
+        """Keep the blocks that hold ``seq``'s first ``num_tokens`` tokens; the rest go back (a rewind:
+        chapter 10's rejected drafts). A kept partly filled block is overwritten by the next tokens."""
+        keep = blocks_for(num_tokens, self.block_size)
+        tail, seq.block_table = seq.block_table[keep:], seq.block_table[:keep]
+        self._release(tail)
+        seq.committed = min(seq.committed, num_tokens // self.block_size)
+
+    def _release(self, blocks) -> None:
+        for b in reversed(blocks):    # the tail first: it is the least likely to be shared
+            self._ref[b] -= 1
+            if self._ref[b] == 0:
+                if self.key_of[b] is not None:
+                    self.cached[b] = None
+                else:
+                    self._free.append(b)
 
     def free(self, seq: Sequence) -> None:
         self.a.free(seq.rid)
