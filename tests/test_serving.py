@@ -117,22 +117,22 @@ def _counting_attention(tally):
 
 
 @pytest.mark.parametrize("prompt_len", [0, 48])
-def test_ragged_step_scores_only_visible_pairs(model, prompt_len):
+def test_ragged_step_scores_only_visible_pairs(ours, prompt_len):
     """The issue's mixed step: 7 decode rows at 128 cached tokens (+ a 48-token prompt). Each query scores
     its own sequence's keys only: decode rows exactly the visible pairs; a prompt chunk adds only the
     future half of its own n x n square (masked; a causal kernel's diagonal tiles compute it too). The
     old step (every query over every key of the step) scored 55 x 951 = 52,305 pairs for 2,079 visible."""
     from kvlab.servingbench import prepared_steps
-    runner, decode, prefill = prepared_steps(model, 7, 128, max(prompt_len, 1))
+    runner, decode, prefill = prepared_steps(ours, 7, 128, max(prompt_len, 1))
     work = decode + (prefill if prompt_len else [])
     tally = {"scored": 0, "visible": 0}
     want = runner.run(work)
-    model.attention_fn = _counting_attention(tally)
+    ours.attention_fn = _counting_attention(tally)
     try:
         assert runner.run(work) == want                       # the same tokens through the counter
     finally:
-        model.attention_fn = None
-    layers = model.config.n_layer
+        ours.attention_fn = None
+    layers = ours.config.n_layer
     visible = 7 * 129 + prompt_len * (prompt_len + 1) // 2
     assert tally["visible"] == layers * visible
     assert tally["scored"] == layers * (visible + prompt_len * (prompt_len - 1) // 2)
