@@ -119,7 +119,8 @@ class Cache(ABC):
 
     def check_model(self, config, dtype, device) -> None:
         """Called by the model on first use: refuse a cache built for another model (ValueError)."""
-        want = dict(n_layer=config.n_layer, n_head=config.n_head, head_dim=config.n_embd // config.n_head)
+        heads, dim = config.cache_dims() if hasattr(config, "cache_dims") else (config.n_head, config.n_embd // config.n_head)
+        want = dict(n_layer=config.n_layer, n_head=heads, head_dim=dim)
         for name, value in want.items():
             have = getattr(self, name, None)
             if have is not None and have != value:
