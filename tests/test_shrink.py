@@ -131,7 +131,7 @@ def test_bad_inputs_named_and_nothing_changed(ours, text):
     with pytest.raises(ValueError, match="row"):                        # another batch size
         ours(text[:, :2].repeat(2, 1), cache)
     with pytest.raises(ValueError, match="evicted"):
-        cache.rewind(1)
+        cache.rewind(3)                                                  # needs 1 and 2, gone
     assert (cache.seq_len, cache.held) == state[:2] and torch.equal(cache._key_pos, state[2])
     two = SinkWindowCache(ours.config.n_layer, window=4)
     with pytest.raises(ValueError, match="same positions"):
