@@ -105,7 +105,7 @@ def uniform_mass(length: int, first: int = 4, skip: int = 32) -> float:
 # Uptraining
 
 
-def uptrain(model, train_ids: torch.Tensor, steps: int, batch: int = 4, seq: int = 256, lr: float = 3e-4,
+def uptrain(model, train_ids: torch.Tensor, steps: int, batch: int = 4, seq: int = 256, lr: float = 1e-4,
             seed: int = 0) -> list[float]:
     """Train ``model`` in place for ``steps`` steps of ``batch`` random ``seq``-token crops of ``train_ids``
     (AdamW, constant ``lr``, clip 1.0); returns the losses. The GQA paper uptrains for 5% of the
@@ -221,3 +221,85 @@ def headline_checks() -> list[dict]:
          "ours": designs.mha_numbers_per_token(llama) / designs.numbers_per_token(llama),
          "against": "32 kv heads"},
     ]
+
+
+# ---------------------------------------------------------------------------------------------------
+# The chapter's grids: one row per variant
+
+
+def _row(q: dict, ref: dict, **fields) -> dict:
+    return {**fields, "ppl": q["ppl"], "ppl change": q["ppl"] / ref["ppl"] - 1, "top-1 agree": q["agree"]}
+
+
+def gqa_rows(model, calibration, eval_ids, ref, max_windows=None) -> list[dict]:
+    """Every group count below ``n_head`` x every conversion: quality and cache bytes per token."""
+    from . import gqa
+
+    rows = []
+    counts = [g for g in gqa.group_counts(model.config.n_head) if g < model.config.n_head]
+    for n_kv in bar(counts, desc="group counts", leave=False):
+        for method in gqa.METHODS:
+            conv = gqa.convert(model, n_kv, method, calibration)
+            q = quality(conv, eval_ids, ref["top1"], max_windows=max_windows)
+            rows.append(_row(q, ref, kv_heads=n_kv, method=method,
+                             **{"bytes/token": conv.new_cache(1, 64).nbytes / 64, "of MHA bytes": n_kv / model.config.n_head}))
+    return rows
+
+
+def window_rows(model, eval_ids, ref, windows, sinks=(0, 4), max_windows=None) -> list[dict]:
+    """Perplexity of the whole held-out text through a :class:`kvlab.window.SinkWindowCache` per
+    (window, sinks): every query sees its sinks and its window only."""
+    from .window import SinkWindowCache
+
+    rows = []
+    L, ctx = model.config.n_layer, model.config.n_positions
+    for s in sinks:
+        for w in bar([w for w in windows if w + s <= ctx], desc=f"windows, {s} sinks", leave=False):
+            q = quality(model, eval_ids, ref["top1"], lambda B: SinkWindowCache(L, w, s), max_windows)
+            rows.append(_row(q, ref, window=w, sinks=s, **{"keys held": s + w - 1}))
+    return rows
+
+
+def latent_rows(model, calibration, eval_ids, ref, ranks, max_windows=None) -> list[dict]:
+    """Quality and bytes per token of the latent cache for each rank, by SVD of the weights and by PCA
+    of the calibration text's keys and values."""
+    from . import latent
+
+    rows, full = [], model.new_cache(1, 64).nbytes / 64
+    for r in bar(ranks, desc="latent ranks", leave=False):
+        for method in latent.METHODS:
+            conv = latent.convert(model, r, method, calibration)
+            q = quality(conv, eval_ids, ref["top1"], max_windows=max_windows)
+            b = conv.new_cache(1, 64).nbytes / 64
+            rows.append(_row(q, ref, rank=r, method=method, **{"bytes/token": b, "of MHA bytes": b / full}))
+    return rows
+
+
+def uptrain_rows(model, calibration, train_ids, eval_ids, ref, n_kv: int, steps: int, max_windows=None) -> list[dict]:
+    """Each conversion to ``n_kv`` heads, and the original as the control, uptrained ``steps`` steps on
+    the training split: perplexity before and after, and the share of the conversion's gap closed
+    (against the control uptrained the same way: the text alone also lowers perplexity)."""
+    import copy
+
+    from . import gqa
+
+    control = copy.deepcopy(model)
+    uptrain(control, train_ids, steps)
+    base = quality(control, eval_ids, ref["top1"], max_windows=max_windows)["ppl"]
+    rows = [{"model": "original (control)", "before": ref["ppl"], "after": base, "gap closed": float("nan")}]
+    for method in gqa.METHODS:
+        conv = gqa.convert(model, n_kv, method, calibration)
+        before = quality(conv, eval_ids, ref["top1"], max_windows=max_windows)["ppl"]
+        uptrain(conv, train_ids, steps)
+        after = quality(conv, eval_ids, ref["top1"], max_windows=max_windows)["ppl"]
+        gap0, gap1 = before - ref["ppl"], after - base
+        rows.append({"model": f"{n_kv} kv heads, {method}", "before": before, "after": after,
+                     "gap closed": 1 - gap1 / gap0 if gap0 > 0 else float("nan")})
+    return rows
+
+
+def smallest_within(rows, key: str, tolerance: float, **where):
+    """The row with the smallest ``key`` among those matching ``where`` whose perplexity change is
+    within ``tolerance`` (None if none is)."""
+    ok = [r for r in rows if all(r[k] == v for k, v in where.items()) and r["ppl change"] <= tolerance]
+    return min(ok, key=lambda r: r[key]) if ok else None
