@@ -80,6 +80,7 @@ class GroupedAttention(nn.Module):
             raise ValueError(f"expand must be 'repeat' or 'native', got {expand!r}")
         self.n_head, self.n_kv_head, self.head_dim = cfg.n_head, cfg.n_kv_head, cfg.head_dim
         self.expand = expand
+        self.repeat = repeat_kv          # how the shared heads are laid out for the queries (lab 11 swaps it)
         self.q_proj = nn.Linear(cfg.n_embd, cfg.n_embd)
         self.kv_proj = nn.Linear(cfg.n_embd, 2 * cfg.n_kv_head * cfg.head_dim)   # one shared k and v per group
         self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd)
@@ -98,7 +99,7 @@ class GroupedAttention(nn.Module):
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
         else:
             group = self.n_head // self.n_kv_head
-            y = attention_fn(q, repeat_kv(k, group), repeat_kv(v, group), mask)
+            y = attention_fn(q, self.repeat(k, group), self.repeat(v, group), mask)
         return self.c_proj(y.transpose(1, 2).reshape(B, T, C))
 
 

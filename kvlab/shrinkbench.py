@@ -75,14 +75,13 @@ def quality(model, eval_ids, ref_top1=None, cache_factory=None, max_windows=None
 # Attention sinks
 
 
-def attention_mass(model, windows: torch.Tensor, first: int = 4, skip: int = 32) -> torch.Tensor:
-    """``[n_layer, n_head]``: the mean attention weight that queries at positions >= ``skip`` put on the
-    keys at positions < ``first`` (a head with a sink puts much more there than ``first / position``)."""
-    masses = []
+def attention_weights(model, windows: torch.Tensor) -> list[torch.Tensor]:
+    """Every layer's attention weights ``[B, H, T, S]`` on the token ids ``windows`` ``[B, T]``."""
+    seen = []
 
     def recording(q, k, v, mask):
         w = torch.softmax((q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])).masked_fill(~mask, float("-inf")), -1)
-        masses.append(w[..., skip:, :first].sum(-1).mean(dim=(0, 2)))     # [H]
+        seen.append(w)
         return w @ v
     recording.takes_mask = True
 
@@ -93,7 +92,26 @@ def attention_mass(model, windows: torch.Tensor, first: int = 4, skip: int = 32)
             model(windows)
     finally:
         model.attention_fn = saved
-    return torch.stack(masses)
+    return seen
+
+
+def attention_mass(model, windows: torch.Tensor, first: int = 4, skip: int = 32) -> torch.Tensor:
+    """``[n_layer, n_head]``: the mean attention weight that queries at positions >= ``skip`` put on the
+    keys at positions < ``first`` (a head with a sink puts much more there than ``first / position``)."""
+    return torch.stack([w[..., skip:, :first].sum(-1).mean(dim=(0, 2)) for w in attention_weights(model, windows)])
+
+
+def attention_beyond(model, windows: torch.Tensor, grid, first: int = 4) -> torch.Tensor:
+    """``[n_layer, len(grid)]``: per layer, the mean share of attention (over heads and every query) on
+    keys a window of ``w`` drops: ``w`` or more positions back, and not among the ``first`` (which
+    sinks would keep)."""
+    out = []
+    for w in attention_weights(model, windows):
+        T = w.shape[-1]
+        dist = torch.arange(T)[:, None] - torch.arange(T)[None, :]
+        far = [((dist >= g) & (torch.arange(T)[None, :] >= first)).to(w.dtype) for g in grid]
+        out.append(torch.stack([(w * f).sum(-1).mean() for f in far]))
+    return torch.stack(out)
 
 
 def uniform_mass(length: int, first: int = 4, skip: int = 32) -> float:
