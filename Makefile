@@ -42,17 +42,17 @@ node_modules/.package-lock.json: package.json package-lock.json
 	npm ci --no-audit --no-fund --loglevel=error
 
 labs: venv
-	$(PY) -m kvlab.labs
+	$(PY) -m kvlab.course.labs
 
 labs-check: venv
-	$(PY) -m kvlab.labs --check
+	$(PY) -m kvlab.course.labs --check
 
-# A learner's scorecard: every started lab in labs/ through nbval, one row per lab (see kvlab/grade.py).
+# A learner's scorecard: every started lab in labs/ through nbval, one row per lab (see kvlab/course/grade.py).
 #   make grade            every lab;   make grade LAB=07   one lab
 # Exits 1 if a started lab fails; a lab not started (every exercise still its stub) is not run.
-# GRADE_ARGS=--require-pass: a lab not started fails too (the GitHub Classroom tests of kvlab.release).
+# GRADE_ARGS=--require-pass: a lab not started fails too (the GitHub Classroom tests of kvlab.course.release).
 grade: venv
-	$(PY) -m kvlab.grade $(if $(LAB),--lab $(LAB)) $(GRADE_ARGS)
+	$(PY) -m kvlab.course.grade $(if $(LAB),--lab $(LAB)) $(GRADE_ARGS)
 
 book: cxx venv node
 	$(VENV)/bin/jupyter-book build . -W -n --keep-going

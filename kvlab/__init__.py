@@ -8,7 +8,9 @@ One module per idea. The domain (what the book builds; these compute and never p
 * ``memory`` (the arithmetic of chapter 4), ``quant`` (quantized caches, chapter 5), ``batching``
   (left-padded batches, chapter 6), ``roofline`` (the floor of a decode step, chapter 7), ``static``
   (the static cache and a compiled decode step, chapter 8), ``paged`` and ``serving`` (paged memory and
-  the serving engine: sequence, block manager, scheduler, runner, engine; chapter 9).
+  the serving engine: sequence, block manager, scheduler, runner, engine; chapter 9); chapter 11's
+  designs that shrink the cache: ``gqa`` (grouped-query heads converted from a trained model),
+  ``window`` (a sink + window cache), ``latent`` (an MLA-style latent), ``designs`` (their bytes).
 
 The measurement layer (checks, timings, tables, plots and computed sentences):
 
@@ -18,7 +20,7 @@ The measurement layer (checks, timings, tables, plots and computed sentences):
   calculator), ``verdicts`` (sentences computed from measurements), ``tables`` (tables that fit the
   page), ``plots`` (figures with provenance), ``draw`` (diagrams drawn from the objects the code builds),
   ``compilecount`` (what torch counts of a compiled function);
-* per chapter: ``floorbench`` (7), ``staticbench`` (8), ``servingbench`` (9); across the book: ``bench``
+* per chapter: ``floorbench`` (7), ``staticbench`` (8), ``servingbench`` (9), ``shrinkbench`` (11); across the book: ``bench``
   (the headline ratios), ``report`` (a device's measurements as JSON) and ``results`` (reading them back).
 
 Tooling: ``checks`` (the lab graders), ``labs`` (solutions -> labs, never over a learner's cells),

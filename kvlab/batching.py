@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import torch
 
-from .generate import check_budget, check_ids
+from .validate import check_budget, check_ids
+from .cache import EMPTY
+from .reference import cached_generate
 
 
 def pad_token_id(tokenizer) -> int:
@@ -145,7 +147,6 @@ def positions_with_pads(attention_mask: torch.Tensor) -> torch.Tensor:
     """Positions of a left-padded batch for the hand-built GPT-2: like :func:`positions_from_mask`, but
     a pad gets ``kvlab.cache.EMPTY`` (-1), so the cache stores it at a position no query ever sees:
     the pads are data, not a mask of their own."""
-    from .cache import EMPTY
 
     return (attention_mask.long().cumsum(-1) - 1).masked_fill(attention_mask == 0, EMPTY)
 
@@ -177,7 +178,7 @@ def generate_padded(model, input_ids, attention_mask, max_new_tokens: int, cache
 def batched_generate(model, tokenizer, prompts, max_new_tokens: int, stop_at_eos: bool = False) -> list[list[int]]:
     """Greedy new token ids of each prompt, computed for all prompts together.
 
-    Equal, token for token, to generating each prompt alone (``kvlab.generate.cached_generate``).
+    Equal, token for token, to generating each prompt alone (``kvlab.reference.cached_generate``).
     With ``stop_at_eos`` a row stops at the tokenizer's end-of-text token (kept as its last token)
     and the whole batch stops once every row has; otherwise each row gets ``max_new_tokens`` tokens.
     """
@@ -202,7 +203,6 @@ def cut_at(tokens: list[int], eos) -> list[int]:
 
 def one_by_one(model, tokenizer, prompts, max_new_tokens: int, stop_at_eos: bool = False) -> list[list[int]]:
     """The reference batching must reproduce: each prompt alone through ``cached_generate``."""
-    from .generate import cached_generate
 
     device = next(model.parameters()).device
     eos = tokenizer.eos_token_id if stop_at_eos else None

@@ -25,9 +25,10 @@ import argparse
 
 import torch
 
-from . import gpt2, harness, models, probes, roofline, static, staticbench, timing
+from . import gpt2, harness, loading, probes, provenance, reference, roofline, static, staticbench, timing
 from .cli import at_least
-from .generate import cached_generate, hf_greedy, naive_generate
+from .reference import cached_generate, hf_greedy, naive_generate
+from .validate import check_context
 
 
 class BadArguments(ValueError):
@@ -37,14 +38,15 @@ class BadArguments(ValueError):
 def run(model_name: str, new_tokens: int, prompt_len: int, repeats: int, threads: int | None,
         naive: bool, compiled: bool = True) -> dict[str, float]:
     timing.set_threads(threads)
-    device = models.pick_device()
-    hf, _ = models.load(model_name, device=device)
-    models.banner(hf, device)
+    device = loading.pick_device()
+    hf, _ = loading.load(model_name, device=device)
+    provenance.banner(hf, device)
     ours = gpt2.GPT2.from_hf(hf).to(device).eval()
-    ctx = hf.config.n_positions
-    if prompt_len + new_tokens > ctx:
-        raise BadArguments(f"--prompt-len {prompt_len} + --new-tokens {new_tokens} = {prompt_len + new_tokens} "
-                           f"exceeds {model_name}'s context of {ctx} positions; ask for fewer")
+    try:
+        check_context(prompt_len + new_tokens, hf.config.n_positions,
+                      f"--prompt-len {prompt_len} + --new-tokens {new_tokens} of {model_name}", "ask for fewer")
+    except ValueError as e:
+        raise BadArguments(str(e)) from None
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, hf.config.vocab_size, (1, prompt_len), generator=g).to(device)
 
@@ -92,14 +94,14 @@ _COMPILED = {"transformers generate, StaticCache, compiled": "transformers gener
 def _add_compiled(runs, hf, ours, prompt, new_tokens, device) -> dict[str, float]:
     """Add the compiled generators to ``runs``; return the seconds of each one's first call, which
     compiles (torch.compile: inductor; CUDA graphs on a GPU)."""
-    config = static.hf_compile_config(device)
+    config = reference.hf_compile_config(device)
     dec = static.StaticDecoder(ours, max_len=prompt.shape[1] + new_tokens).compile()
-    fns = dict(zip(_COMPILED, (lambda: static.hf_static_generate(hf, prompt, new_tokens, config),
+    fns = dict(zip(_COMPILED, (lambda: reference.hf_static_generate(hf, prompt, new_tokens, config),
                                lambda: dec.generate(prompt, new_tokens))))
     first = {}
     for name, fn in fns.items():
         print(f"compiling: {name} ...", flush=True)
-        first[name] = static.time_first_call(fn, device)
+        first[name] = staticbench.time_first_call(fn, device)
     runs.update(fns)
     return first
 
@@ -109,7 +111,7 @@ def _print_compile_times(first_call, res, new_tokens) -> None:
     for name, first in first_call.items():
         eager, steady = res[_COMPILED[name]].median, res[name].median
         compile_s = staticbench.compile_seconds(first, steady)
-        n = static.break_even_tokens(compile_s, eager / new_tokens, steady / new_tokens)
+        n = staticbench.break_even_tokens(compile_s, eager / new_tokens, steady / new_tokens)
         pays = f"pays off after {n:,.0f} tokens" if n is not None else "never pays off here"
         print(f"{name}: first call {first:.1f} s (compilation included), steady {steady:.3f} s, so compiling "
               f"took about {compile_s:.1f} s (first call - steady); against {_COMPILED[name]} it {pays}")
@@ -128,7 +130,7 @@ def _floor(hf, device, prompt_len: int, new_tokens: int) -> tuple[float, float]:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="kvlab-tiny", help="any name kvlab.models.load accepts")
+    ap.add_argument("--model", default="kvlab-tiny", help="any name kvlab.loading.load accepts")
     ap.add_argument("--new-tokens", type=at_least(1), default=200)
     ap.add_argument("--prompt-len", type=at_least(1), default=8)
     ap.add_argument("--repeats", type=at_least(1), default=5)
@@ -138,13 +140,13 @@ def main(argv=None) -> None:
     ap.add_argument("--no-compile", action="store_true", help="skip the compiled generators (chapter 8)")
     args = ap.parse_args(argv)
     try:
-        models.pick_device()              # KVLAB_DEVICE, checked before anything is loaded
+        loading.pick_device()              # KVLAB_DEVICE, checked before anything is loaded
     except ValueError as e:
         ap.error(str(e))
     try:
         run(args.model, args.new_tokens, args.prompt_len, args.repeats, args.threads, naive=not args.no_naive,
             compiled=not args.no_compile)
-    except (BadArguments, models.ModelNotAvailable) as e:   # found when loading, before any timing
+    except (BadArguments, loading.ModelNotAvailable) as e:   # found when loading, before any timing
         ap.error(str(e))
 
 

@@ -39,6 +39,8 @@ import inspect
 from abc import ABC, abstractmethod
 
 import torch
+from .configs import kv_dims
+from .validate import check_context
 
 #: The position of a slot no query may see: a pad, an empty slot, another sequence's slot.
 EMPTY = -1
@@ -106,9 +108,8 @@ class Cache(ABC):
 
     def check_room(self, T: int, limit: int) -> None:
         """Refuse ``T`` more tokens that would go past the model's context of ``limit`` positions."""
-        if self.seq_len + T > limit:
-            raise ValueError(f"{self.seq_len} cached + {T} new tokens = {self.seq_len + T} exceeds GPT-2's "
-                             f"context of n_positions={limit}: there is no position embedding beyond it")
+        check_context(self.seq_len + T, limit, f"{self.seq_len} cached + {T} new tokens",
+                      "shorten the prompt or generate less")
 
     def last_positions(self) -> torch.Tensor | None:
         """The last position held per row, ``[B]`` (``EMPTY`` for an empty row); None if not known."""
@@ -119,8 +120,8 @@ class Cache(ABC):
 
     def check_model(self, config, dtype, device) -> None:
         """Called by the model on first use: refuse a cache built for another model (ValueError)."""
-        heads, dim = config.cache_dims() if hasattr(config, "cache_dims") else (config.n_head, config.n_embd // config.n_head)
-        want = dict(n_layer=config.n_layer, n_head=heads, head_dim=dim)
+        dims = (config.n_layer, *config.cache_dims()) if hasattr(config, "cache_dims") else kv_dims(config)
+        want = dict(zip(("n_layer", "n_head", "head_dim"), dims))   # what this cache must store per token
         for name, value in want.items():
             have = getattr(self, name, None)
             if have is not None and have != value:
@@ -135,8 +136,7 @@ class Cache(ABC):
                              "build the cache on the model's device (model.new_cache does)")
 
     def _advance(self, layer: int, new_tokens: int) -> None:
-        """Count ``new_tokens`` once the *last* layer has stored them: during a forward pass every
-        layer must read the same ``seq_len``."""
+        """Count ``new_tokens`` once the *last* layer has stored them (every layer reads one ``seq_len``)."""
         if layer == self.n_layer - 1:
             self._len += new_tokens
 

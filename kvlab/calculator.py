@@ -11,45 +11,17 @@ The arithmetic is ``kvlab.memory``; this module only reads the table and present
 from __future__ import annotations
 
 import html
-import json
 
 import torch
 
-from .memory import (GIB, as_dtype, bytes_per_token, context_length, kv_cache_bytes, max_batch_size,
-                     parameter_count, weights_bytes)
-from .models import CONFIG_DIR
+from .memory import GIB, bytes_per_token, kv_cache_bytes, max_batch_size, weights_bytes
+from .configs import as_dtype, context_length
+from .catalogue import all_models
 
-OPEN_MODELS_PATH = CONFIG_DIR / "open-models.json"
 
 #: Nominal memory of three common GPUs (24 GB: RTX 3090/4090, 80 GB: A100/H100, 141 GB: H200), taken
 #: as GiB (2**30 bytes). What a program can really use is a little less (CUDA context, allocator).
 GPU_SIZES_GB = (24, 80, 141)
-
-def load_open_models() -> dict[str, dict]:
-    """``models/configs/open-models.json``: name -> attention shape, parameters and sources."""
-    data = json.loads(OPEN_MODELS_PATH.read_text())
-    return {m["name"]: m for m in data["models"]}
-
-
-def gpt2_models() -> dict[str, dict]:
-    """The four GPT-2 sizes (``models/configs/gpt2*.json``) in the same form as :func:`load_open_models`."""
-    from .models import GPT2_SIZES
-
-    out = {}
-    for size in GPT2_SIZES:
-        cfg = json.loads((CONFIG_DIR / f"{size}.json").read_text())
-        entry = {"name": size, "hf_repo": f"openai-community/{size}", **cfg,
-                 "source": f"openai-community/{size} config.json on the Hugging Face Hub (models/configs/{size}.json); "
-                           "parameters counted by transformers on the meta device"}
-        entry["parameters"] = parameter_count({k: v for k, v in cfg.items()})
-        entry["attention"] = "MHA"
-        out[size] = entry
-    return out
-
-
-def all_models() -> dict[str, dict]:
-    """GPT-2's four sizes, then the open models: the rows of the chapter's tables."""
-    return {**gpt2_models(), **load_open_models()}
 
 
 def human_bytes(n: float, binary: bool = True) -> str:

@@ -21,15 +21,17 @@ from __future__ import annotations
 
 import json
 
-from .memory import check_count, check_int, config_field, kv_dims, parameter_count
-from .models import CONFIG_DIR
+from .configs import config_field, kv_dims
+from .memory import parameter_count
+from .paths import CONFIG_DIR
+from .validate import check_count, check_int
 
 DESIGNS_PATH = CONFIG_DIR / "cache-designs.json"
 
 
 def load_designs() -> dict[str, dict]:
-    """Chapter 4's models (``kvlab.calculator.all_models``) and ``models/configs/cache-designs.json``."""
-    from .calculator import all_models
+    """Chapter 4's models (``kvlab.catalogue.all_models``) and ``models/configs/cache-designs.json``."""
+    from .catalogue import all_models
 
     extra = {m["name"]: m for m in json.loads(DESIGNS_PATH.read_text())["models"]}
     return {**all_models(), **extra}

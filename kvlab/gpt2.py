@@ -34,7 +34,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .cache import EMPTY, PastLenCache, PreallocatedCache, as_cache, visible
-from .generate import check_inputs
+from .validate import check_inputs
+from .validate import check_context
 
 
 @dataclass
@@ -292,16 +293,15 @@ def check_forward(model, input_ids, cache, positions) -> None:
     if positions is None:
         if cache is not None:
             cache.check_room(T, limit)
-        elif T > limit:
-            raise ValueError(f"{T} tokens exceed GPT-2's context of n_positions={limit}: there is no "
-                             "position embedding beyond it")
+        else:
+            check_context(T, limit, "the input's tokens", "shorten the prompt or generate less")
         return
     if not isinstance(positions, torch.Tensor) or positions.shape != (B, T) or positions.dtype != torch.long:
         got = list(positions.shape) if isinstance(positions, torch.Tensor) else type(positions).__name__
         raise ValueError(f"positions must be a LongTensor [batch, T] = {[B, T]} like input_ids, got {got}")
-    if T and int(positions.max()) >= limit:
-        raise ValueError(f"position {int(positions.max())} is past GPT-2's context of n_positions={limit}: "
-                         "there is no position embedding beyond it; shorten the prompt or generate less")
+    if T:
+        check_context(int(positions.max()) + 1, limit, f"position {int(positions.max())} + 1",
+                      "shorten the prompt or generate less")
     if T and int(positions.min()) < EMPTY:
         raise ValueError(f"positions must be >= 0 (or EMPTY = {EMPTY} for a pad), got {int(positions.min())}")
     before = positions.cummax(dim=1).values[:, :-1]         # the largest position so far in the row

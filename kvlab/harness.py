@@ -14,15 +14,11 @@ plot and tabulate nothing. What turns their results into evidence lives here, on
 from __future__ import annotations
 
 import torch
+from .gpt2 import generate
+from .reference import first_difference
+from .tables import show
 
 
-def first_difference(a: torch.Tensor, b: torch.Tensor) -> int | None:
-    """Index (along the last dim) of the first token where ``a`` and ``b`` differ; None if identical,
-    0 if their shapes differ."""
-    if a.shape != b.shape:
-        return 0
-    diff = (a.cpu() != b.cpu()).nonzero()
-    return None if diff.numel() == 0 else int(diff[0, -1])
 
 
 def token_check(runs: dict, reference: str | None = None) -> dict:
@@ -59,7 +55,6 @@ def rewind_and_regenerate(model, cache, input_ids: torch.Tensor, max_new_tokens:
     """Greedy ``max_new_tokens`` through ``cache`` (the hand-built GPT-2's ``generate``), then rewind the
     cache ``back`` tokens and decode them again. Returns ``(first, again)``, the last ``back`` new
     tokens of both passes: a cache that rewinds correctly gives the same."""
-    from .gpt2 import generate
 
     out = generate(model, input_ids, max_new_tokens, cache=cache)
     length = cache.seq_len - back                    # the cache holds every token but the last
@@ -74,6 +69,5 @@ def rewind_and_regenerate(model, cache, input_ids: torch.Tensor, max_new_tokens:
 def print_table(rows: list[dict], columns: dict) -> None:
     """Rows of dicts as a table that fits the page (:func:`kvlab.tables.show`: HTML in a notebook,
     aligned text elsewhere); ``columns`` maps a key to ``(header, format)``."""
-    from .tables import show
 
     show([[fmt.format(r[k]) for k, (_, fmt) in columns.items()] for r in rows], [h for h, _ in columns.values()])

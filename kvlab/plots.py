@@ -10,7 +10,7 @@ from __future__ import annotations
 import matplotlib.pyplot as plt
 from matplotlib.ticker import PercentFormatter
 
-from .models import stamp_figure
+from .provenance import stamp_figure
 
 
 def figure(ncols: int = 1, nrows: int = 1, size=(7, 4), **kw):

@@ -17,9 +17,10 @@ import statistics
 import torch
 import torch.utils.benchmark as benchmark
 
-from .memory import as_dtype
-from .models import check_device
+from .configs import as_dtype
+from .loading import check_device
 from .roofline import _whole
+from .timing import QUICK
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -113,7 +114,6 @@ def measure_bandwidth(device="cpu", size_mib: int | None = None, threads: int | 
 def measure_matmul_flops(device="cpu", dtype=torch.float32, n: int | None = None,
                          threads: int | None = None, repeats: int = 5, verbose: bool = True) -> float:
     """FLOP/s an ``n x n`` by ``n x n`` matrix product achieves (``2 n^3`` FLOPs), median of ``repeats``."""
-    from .timing import QUICK
 
     device, dtype = check_device(device), as_dtype(dtype)
     n = None if n is None else _whole(n, "n (the matrix size)", 1)

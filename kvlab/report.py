@@ -33,21 +33,18 @@ import importlib.util
 import json
 import os
 import platform
-import subprocess
 import sys
 import tempfile
 import time
 import traceback
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from .progress import bar as tqdm   # no frozen bar in a page built unwatched
 
-from . import floorbench, gpt2, harness, models, staticbench, timing
+from . import __version__, loading, progress, provenance, report_sections, results, timing
 from .cli import at_least, check_writable, positive_seconds
-from .batching import generate_batch
-from .generate import cached_generate, hf_greedy, naive_generate
+from .machine import device_info, git_commit, load_average
+from .report_sections import Run, rounded, plan
 
 SCHEMA = 1
 SECTIONS = ("speedup", "per_position", "ours_vs_transformers", "batch_throughput", "floor", "compiled")
@@ -59,358 +56,31 @@ NEEDS = {"floor": "kvlab.roofline", "compiled": "kvlab.static"}
 # What to measure: one grid per kind of run
 
 
-def plan(device: torch.device, quick: bool) -> dict:
-    """The grids: small for the test suite, longer on a GPU (where steps are cheap) than on a CPU.
-
-    Quick mode compiles with the ``eager`` backend (TorchDynamo captures the whole decode step as one
-    graph, which is what breaks when shapes or positions are not static, and runs it without code
-    generation): the inductor compiler alone takes longer on a CPU than the test suite's budget.
-    """
-    if quick:
-        return dict(models=["kvlab-tiny"], Ns=[8, 16], positions=[8, 128], new_tokens=8,
-                    batch_sizes=[1, 4], batch_new=6, floor_batches=[1, 4], floor_seq=[64],
-                    compiled_models=["kvlab-tiny"], compile_backend="eager", repeats=2, budget=40,
-                    probe=dict(n=256, repeats=3))
-    if device.type == "cuda":
-        return dict(models=["kvlab-tiny", "shape:gpt2", "shape:gpt2-medium"],
-                    Ns=[16, 64, 128, 256, 512], positions=[16, 128, 256, 512, 768, 1000],
-                    new_tokens=200, batch_sizes=[1, 2, 4, 8, 16, 32, 64, 128], batch_new=64,
-                    floor_batches=[1, 4, 16, 64, 256], floor_seq=[128, 1000],
-                    compiled_models=["shape:gpt2", "kvlab-tiny"], compile_backend="inductor", repeats=5,
-                    budget=240)
-    return dict(models=["kvlab-tiny", "shape:gpt2"], Ns=[16, 64, 128, 256],
-                positions=[8, 64, 128, 256, 384], new_tokens=100, batch_sizes=[1, 2, 4, 8, 16],
-                batch_new=24, floor_batches=[1, 4, 16], floor_seq=[128], compiled_models=["kvlab-tiny"],
-                compile_backend="inductor", repeats=3, budget=600)
-
-
-def _fit(model, device, grid: list[int], cap_cpu: int) -> list[int]:
-    """A grid clipped to the model's context, and to ``cap_cpu`` for a GPT-2-sized model on a CPU."""
-    ctx = model.config.n_positions
-    big_on_cpu = device.type == "cpu" and model.config.n_embd > 512
-    return [g for g in grid if g < ctx - 8 and (not big_on_cpu or g <= cap_cpu)]
-
-
 # ---------------------------------------------------------------------------------------------------
 # The run: models loaded once, a deadline per section, progress
-
-
-@dataclass
-class Run:
-    device: torch.device
-    plan: dict
-    budget: float
-    start: float = field(default_factory=time.perf_counter)
-    deadline: float = 0.0                 # this section's
-    model_deadline: float | None = None   # this model's, within the section (see each_model)
-    truncated: bool = False
-    _models: dict = field(default_factory=dict)
-
-    def left(self) -> float:
-        return self.budget - (time.perf_counter() - self.start)
-
-    def model(self, name: str):
-        """``(hf_model, hand_built_gpt2)`` for ``name``, loaded once, on the run's device."""
-        if name not in self._models:
-            hf, _ = models.load(name, device=self.device)
-            self._models[name] = (hf, gpt2.GPT2.from_hf(hf).to(self.device).eval())
-        return self._models[name]
-
-    def prompt(self, name: str, length: int, batch: int = 1) -> torch.Tensor:
-        """Seeded random token ids: timing needs the shapes, not the text."""
-        vocab = self.model(name)[0].config.vocab_size
-        g = torch.Generator().manual_seed(length * 1000 + batch)
-        return torch.randint(0, vocab, (batch, length), generator=g).to(self.device)
-
-    def each_model(self, names=None):
-        """Yield model names, giving each an equal share of the section's time left (so the first
-        model's grid cannot starve the others); a model the deadline has passed is skipped."""
-        names = list(names or self.plan["models"])
-        for i, name in enumerate(names):
-            now = time.perf_counter()
-            if i > 0 and now > self.deadline:
-                self.truncated = True
-                break
-            self.model_deadline = now + max(self.deadline - now, 0) / (len(names) - i)
-            yield name
-        self.model_deadline = None
-
-    def points(self, items, desc: str):
-        """Yield ``items`` until the model's (else the section's) deadline, with a progress bar; flag a
-        cut grid. The first point always runs, so every grid has at least one. The grids grow (longer
-        N, later positions, bigger batches), so a point costs at least what the one before it did:
-        one that would end past the deadline on that estimate is not started."""
-        items, last = list(items), 0.0
-        for i, item in enumerate(tqdm(items, desc=desc, leave=False)):
-            if i > 0 and time.perf_counter() + last > (self.model_deadline or self.deadline):
-                self.truncated = True
-                return
-            t0 = time.perf_counter()
-            yield item
-            last = time.perf_counter() - t0
-
-    def compare(self, fns: dict, warmup: int = 1) -> dict:
-        return timing.compare(fns, warmup=warmup, repeats=self.plan["repeats"], progress=False)
-
-
-def _num(x: float, digits: int = 5) -> float:
-    """A float rounded to ``digits`` significant digits: the JSON stays small and readable."""
-    return float(f"{x:.{digits}g}")
 
 
 # ---------------------------------------------------------------------------------------------------
 # The sections. Each returns a dict with ``rows`` (a list of flat dicts) and whatever else it knows.
 
 
-def speedup(run: Run) -> dict:
-    """Chapter 2's headline: naive over cached total time for N new tokens from an 8-token prompt."""
-    rows = []
-    for name in run.each_model():
-        hf, _ = run.model(name)
-        prompt = run.prompt(name, 8)
-        naive_generate(hf, prompt, 4), cached_generate(hf, prompt, 4)           # warm-up
-        for n in run.points(_fit(hf, run.device, run.plan["Ns"], 64), f"speedup {name}"):
-            t = run.compare({"naive": lambda: naive_generate(hf, prompt, n),
-                             "cached": lambda: cached_generate(hf, prompt, n)}, warmup=0)
-            rows.append(dict(model=name, n=n, naive_s=_num(t["naive"].median),
-                             cached_s=_num(t["cached"].median),
-                             speedup=_num(timing.ratio(t["naive"], t["cached"]), 4)))
-    return dict(prompt_len=8, rows=rows)
-
-
-def _new_tokens(run: Run, model) -> int:
-    """The plan's new tokens, at most 50 for a GPT-2-sized model on a CPU."""
-    big_on_cpu = run.device.type == "cpu" and model.config.n_embd > 512
-    return min(run.plan["new_tokens"], 50) if big_on_cpu else run.plan["new_tokens"]
-
-
-def _naive_step(hf, ids):
-    return lambda: hf(ids, use_cache=False).logits[:, -1].argmax(-1)
-
-
-@torch.no_grad()
-def per_position(run: Run) -> dict:
-    """Chapters 1-2: milliseconds per generated token at position p, without and with the cache."""
-    rows = []
-    for name in run.each_model():
-        hf, _ = run.model(name)
-        ids = run.prompt(name, hf.config.n_positions)
-        for p in run.points(_fit(hf, run.device, run.plan["positions"], 256), f"per position {name}"):
-            t = run.compare({"naive": _naive_step(hf, ids[:, :p + 1]),
-                             "cached": floorbench.step_fn(hf, 1, p)})     # chapter 7's step, rewound
-            rows.append(dict(model=name, position=p, naive_ms=_num(t["naive"].median * 1e3),
-                             cached_ms=_num(t["cached"].median * 1e3),
-                             ratio=_num(timing.ratio(t["naive"], t["cached"]), 4)))
-    return dict(rows=rows)
-
-
-def ours_vs_transformers(run: Run) -> dict:
-    """Chapter 3: transformers' generate, our DynamicCache loop and the hand-built GPT-2, same tokens?"""
-    rows = []
-    for name in run.each_model():
-        hf, ours = run.model(name)
-        n_new = _new_tokens(run, hf)
-        prompt = run.prompt(name, 8)
-        fns = {"transformers generate": lambda: hf_greedy(hf, prompt, n_new),
-               "kvlab cached_generate": lambda: cached_generate(hf, prompt, n_new),
-               "kvlab hand-built GPT-2": lambda: gpt2.generate(ours, prompt, n_new)}
-        # A fast wrong generator is not a result: record whether each gives transformers' tokens.
-        first_diff = harness.token_check(fns, "transformers generate")
-        t = run.compare(fns, warmup=0)      # the correctness pass above was the warm-up
-        base = t["transformers generate"]
-        for k, tk in t.items():
-            rows.append(dict(model=name, generator=k, new_tokens=n_new, median_s=_num(tk.median),
-                             tokens_per_s=_num(n_new / tk.median, 4),
-                             vs_transformers=_num(timing.ratio(base, tk), 4),
-                             identical_tokens=first_diff[k] is None, first_difference=first_diff[k]))
-    return dict(prompt_len=8, rows=rows)
-
-
-def batch_throughput(run: Run) -> dict:
-    """Chapter 6: new tokens per second of ``generate_batch`` for B equal-length prompts."""
-    rows = []
-    n_new, prompt_len = run.plan["batch_new"], 16
-    for name in run.each_model():
-        hf, _ = run.model(name)
-        sizes = [b for b in run.plan["batch_sizes"]
-                 if not (run.device.type == "cpu" and hf.config.n_embd > 512 and b > 8)]
-        base = None
-        for b in run.points(sizes, f"batch {name}"):
-            ids = run.prompt(name, prompt_len, b)
-            mask = torch.ones_like(ids)
-            t = run.compare({"batch": lambda: generate_batch(hf, ids, mask, n_new)})["batch"]
-            tps = b * n_new / t.median
-            base = base or tps
-            rows.append(dict(model=name, batch=b, median_s=_num(t.median), tokens_per_s=_num(tps, 4),
-                             vs_batch1=_num(tps / base, 4)))
-    return dict(prompt_len=prompt_len, new_tokens=n_new, rows=rows)
-
-
-def _our_step(ours, ids: torch.Tensor, seq_len: int):
-    """One decode step of the hand-built GPT-2 for a batch whose cache holds ``seq_len`` positions.
-
-    The cache is never filled by a prefill: a step's time depends on how many positions it attends
-    over, not on their values, so zeros written straight into the cache time the same (and a long
-    prefill of a big batch would cost more than the whole grid). Each call writes position ``seq_len`` and
-    then sets the length back, so every call times the same step.
-    """
-    cache = ours.new_cache(ids.shape[0], max_len=seq_len + 1)
-    if seq_len:                   # seq_len positions of zeros, written straight into the cache
-        zeros = torch.zeros(ids.shape[0], ours.config.n_head, seq_len, ours.config.head_dim,
-                            dtype=cache.keys.dtype, device=cache.keys.device)
-        for layer in range(ours.config.n_layer):
-            cache.update(layer, zeros, zeros)
-    return harness.rewinding_step(ours, cache, ids[:, :1], seq_len)   # every call times the same step
-
-
-@torch.no_grad()
-def floor(run: Run) -> dict:
-    """Chapter 7: each decode step's time against its floor from measured bandwidth and FLOP/s."""
-    from . import probes, roofline
-
-    dtype = next(run.model(run.plan["models"][0])[1].parameters()).dtype
-    probe = run.plan.get("probe", {})              # fewer repeats and a smaller matmul in quick mode
-    reps = probe.get("repeats", 7)                 # the bandwidth buffer is always sized from the LLC
-    bw = probes.measure_bandwidth(run.device, repeats=reps, verbose=False, kind="read")
-    copy = probes.measure_bandwidth(run.device, repeats=reps, verbose=False, kind="copy")
-    fl = probes.measure_matmul_flops(run.device, dtype, n=probe.get("n"), repeats=reps, verbose=False)
-    rows = []
-    for name in run.each_model():
-        _, ours = run.model(name)
-        for b, s in run.points(_floor_grid(run, ours), f"floor {name}"):
-            t = run.compare({"step": _our_step(ours, run.prompt(name, 1, b), s)})["step"]
-            terms = roofline.step_terms(ours, b, s, bw, fl)
-            achieved = roofline.decode_step_bytes(ours, b, s) / t.median
-            rows.append(dict(model=name, batch=b, seq_len=s, measured_ms=_num(t.median * 1e3),
-                             floor_ms=_num(terms["floor"] * 1e3), vs_floor=_num(t.median / terms["floor"], 4),
-                             bound=terms["bound"], achieved_GBps=_num(achieved / 1e9, 4),
-                             of_read_probe=_num(achieved / bw, 4)))
-    return dict(generator="hand-built GPT-2, preallocated cache", dtype=str(dtype).removeprefix("torch."),
-                bandwidth_GBps=_num(bw / 1e9, 4), copy_GBps=_num(copy / 1e9, 4),
-                bandwidth_probe="read-only reduction over 4x the last-level cache",
-                matmul_GFLOPs=_num(fl / 1e9, 4), rows=rows)
-
-
-def _floor_grid(run: Run, ours) -> list[tuple[int, int]]:
-    """(batch, positions) points of the floor section that fit this device's budget."""
-    from . import probes, roofline
-
-    cache_limit = 16 * 2**30 if run.device.type == "cuda" else 2**30     # skip what would not fit well
-    ctx, big_on_cpu = ours.config.n_positions, run.device.type == "cpu" and ours.config.n_embd > 512
-    return [(b, s) for s in run.plan["floor_seq"] if s < ctx for b in run.plan["floor_batches"]
-            if not (big_on_cpu and b > 16) and roofline.cache_read_bytes(ours, b, s + 1) <= cache_limit]
-
-
-def compiled(run: Run) -> dict:
-    """Chapter 8: the hand-built GPT-2 eager, with a static cache, and with its decode step compiled."""
-    from .static import StaticDecoder
-
-    backend = run.plan["compile_backend"]
-    mode = "reduce-overhead" if run.device.type == "cuda" and backend == "inductor" else "default"
-    rows = []
-    for name in run.each_model(run.plan["compiled_models"]):
-        _, ours = run.model(name)
-        n_new = _new_tokens(run, ours)
-        prompt = run.prompt(name, 8)
-        static = StaticDecoder(ours, max_len=8 + n_new)
-        comp = StaticDecoder(ours, max_len=8 + n_new).compile(backend=backend)
-        t0 = time.perf_counter()
-        comp.generate(prompt, n_new)                      # the first call compiles
-        compile_s = time.perf_counter() - t0             # the first call; compile_seconds() below
-        fns = {"eager, preallocated cache": lambda: gpt2.generate(ours, prompt, n_new),
-               "static cache, eager": lambda: static.generate(prompt, n_new),
-               "static cache, compiled": lambda: comp.generate(prompt, n_new)}
-        first_diff = harness.token_check(fns, "eager, preallocated cache")
-        t = run.compare(fns, warmup=0)                    # the correctness pass was the warm-up
-        base = t["eager, preallocated cache"]
-        compile_s = staticbench.compile_seconds(compile_s, t["static cache, compiled"].median)
-        for k, tk in t.items():
-            rows.append(dict(model=name, variant=k, new_tokens=n_new, median_s=_num(tk.median),
-                             tokens_per_s=_num(n_new / tk.median, 4),
-                             vs_eager=_num(timing.ratio(base, tk), 4),
-                             identical_tokens=first_diff[k] is None, first_difference=first_diff[k],
-                             compile_s=_num(compile_s, 3) if k.endswith("compiled") else None))
-    return dict(backend=backend, mode=mode, prompt_len=8, rows=rows)
-
-
 # ---------------------------------------------------------------------------------------------------
 # Provenance
 
 
-def _git_commit() -> dict:
-    env = os.environ.get("KVLAB_COMMIT", "").strip()
-    if env:
-        return dict(commit=env, source="KVLAB_COMMIT")
-    if not (models.REPO_ROOT / ".git").exists():
-        return dict(commit="unknown", source="no .git and no KVLAB_COMMIT")
-    try:
-        git = ["git", "-C", str(models.REPO_ROOT)]
-        commit = subprocess.run(git + ["rev-parse", "HEAD"], capture_output=True, text=True,
-                                timeout=10, check=True).stdout.strip()
-        dirty = subprocess.run(git + ["status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True, timeout=10).stdout.strip() != ""
-        return dict(commit=commit, source="git", dirty=dirty)
-    except (OSError, subprocess.SubprocessError) as e:
-        return dict(commit="unknown", source=f"git failed: {e}")
-
-
-def _memory_bytes() -> int | None:
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemTotal:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
-def _load_average() -> list[float] | None:
-    """The host's 1/5/15-minute load: on a shared machine, how much else was running (noise)."""
-    try:
-        return [round(x, 2) for x in os.getloadavg()]
-    except OSError:
-        return None
-
-
-def _nvidia_driver() -> str | None:
-    try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                             capture_output=True, text=True, timeout=20)
-        return out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout.strip() else None
-    except (OSError, subprocess.SubprocessError):
-        return None
-
-
-def device_info(device: torch.device) -> dict:
-    """What the numbers were measured on: the device's name and memory, the host, the drivers."""
-    info = dict(device=str(device), name=models.device_name(device).split(" (")[0],
-                host_memory_bytes=_memory_bytes(), cpu_cores=os.cpu_count(),
-                torch_threads=torch.get_num_threads(), platform=platform.platform(),
-                load_average_start=_load_average())
-    if device.type == "cuda":
-        p = torch.cuda.get_device_properties(device)
-        info.update(name=p.name, memory_bytes=p.total_memory, capability=f"{p.major}.{p.minor}",
-                    multiprocessors=p.multi_processor_count, cuda=torch.version.cuda,
-                    cudnn=torch.backends.cudnn.version(), driver=_nvidia_driver())
-    else:
-        info.update(memory_bytes=info["host_memory_bytes"])
-    return info
-
-
-def provenance(device: torch.device, run: Run | None = None) -> dict:
+def run_provenance(device: torch.device, run: Run | None = None) -> dict:
     import numpy
     import transformers
 
-    from . import __version__
 
     loaded = run._models if run else {}
     return dict(
         device=device_info(device),
         versions=dict(torch=torch.__version__, transformers=transformers.__version__,
                       python=platform.python_version(), numpy=numpy.__version__, kvlab=__version__),
-        git=_git_commit(),
+        git=git_commit(),
         date=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        models={name: dict(kind=hf.kvlab_kind, description=models.describe(hf))
+        models={name: dict(kind=hf.kvlab_kind, description=provenance.describe(hf))
                 for name, (hf, _) in loaded.items()},
         env={k: os.environ.get(k) for k in ("KVLAB_QUICK", "KVLAB_THREADS", "OMP_WAIT_POLICY")},
         command=" ".join(["python -m kvlab.report", *sys.argv[1:]]) if sys.argv else "",
@@ -436,7 +106,7 @@ def _section(fn, run: Run, share: float) -> dict:
     except Exception as e:  # noqa: BLE001 - one failing section must not lose the others
         out = dict(status="error", error=f"{type(e).__name__}: {e}",
                    traceback=traceback.format_exc(limit=6)[-3000:])
-    out["seconds"] = _num(time.perf_counter() - t0, 3)
+    out["seconds"] = rounded(time.perf_counter() - t0, 3)
     return out
 
 
@@ -449,7 +119,7 @@ def run(device=None, quick: bool | None = None, budget: float | None = None,
     device call's time limit) still leaves every finished section on disk.
     """
     quick = timing.QUICK if quick is None else quick
-    device = torch.device(device) if device is not None else models.pick_device()
+    device = torch.device(device) if device is not None else loading.pick_device()
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda asked for, but torch sees no CUDA GPU here; "
                          "use --device cpu or install a CUDA build of torch")
@@ -461,19 +131,19 @@ def run(device=None, quick: bool | None = None, budget: float | None = None,
     if model_names:
         p["models"] = list(model_names)
     r = Run(device, p, float(budget if budget is not None else p["budget"]))
-    for name in tqdm(p["models"], desc="loading models", leave=False):
+    for name in progress.bar(p["models"], desc="loading models", leave=False):
         r.model(name)                  # before the sections' clocks start; fails early on a bad name
-    fns = {name: globals()[name] for name in sections}
+    fns = {name: getattr(report_sections, name) for name in sections}
     out = dict(schema=SCHEMA, kind="kvlab.report", complete=False, quick=quick, budget_s=r.budget,
-               elapsed_s=0.0, plan=p, provenance=provenance(device, r), sections={})
-    for i, (name, fn) in enumerate(tqdm(fns.items(), desc="kvlab.report", leave=False)):
+               elapsed_s=0.0, plan=p, provenance=run_provenance(device, r), sections={})
+    for i, (name, fn) in enumerate(progress.bar(fns.items(), desc="kvlab.report", leave=False)):
         share = max(r.left(), 0) / (len(fns) - i)          # unused time rolls over to later sections
         out["sections"][name] = sec = _section(fn, r, share)
-        out["elapsed_s"] = _num(time.perf_counter() - r.start, 4)
+        out["elapsed_s"] = rounded(time.perf_counter() - r.start, 4)
         print(f"{name}: {sec['status']} in {sec['seconds']} s")
         if checkpoint and i < len(fns) - 1:
             checkpoint(out)
-    out["provenance"]["device"]["load_average_end"] = _load_average()
+    out["provenance"]["device"]["load_average_end"] = load_average()
     out["complete"] = True
     return out
 
@@ -507,7 +177,7 @@ def _check_args(ap, args):
         if problem:
             ap.error(f"{flag}: {problem}")
     try:
-        device = models.check_device(args.device) if args.device is not None else models.pick_device()
+        device = loading.check_device(args.device) if args.device is not None else loading.pick_device()
     except ValueError as e:
         ap.error(f"--device: {e}")
     sections = [s.strip() for s in args.sections.split(",") if s.strip()]
@@ -540,12 +210,11 @@ def main(argv=None) -> int:
     try:
         result = run(device, args.quick, args.budget, sections, names, args.threads,
                      checkpoint=lambda partial: write_json(partial, args.out))
-    except (ValueError, models.ModelNotAvailable) as e:
+    except (ValueError, loading.ModelNotAvailable) as e:
         ap.error(str(e))
     write_json(result, args.out)
     print(f"wrote {args.out}")
     if args.figure:
-        from . import results
         results.save_figure(result, args.figure)
         print(f"wrote {args.figure}")
     failed = [k for k, v in result["sections"].items() if v["status"] == "error"]

@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .models import REPO_ROOT
+from .paths import REPO_ROOT
 
 RESULTS_DIR = REPO_ROOT / "results"
 SCHEMA = 1

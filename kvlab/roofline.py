@@ -37,7 +37,10 @@ import math
 
 import torch
 
-from .memory import as_dtype, bytes_per_element, check_count, check_int, config_field, kv_cache_bytes, kv_dims
+from .configs import as_dtype, bytes_per_element, config_field, kv_dims
+from .validate import check_count, check_int
+from .memory import kv_cache_bytes
+from .catalogue import all_models
 
 # ---------------------------------------------------------------------------------------------------
 # What the model is made of
@@ -102,10 +105,6 @@ def lookup_share(model) -> float:
     return lookup_bytes(model) / weight_bytes(model)
 
 
-def position_table_share(model) -> float:
-    """Share of the weight bytes in a learned position table (``wpe``); 0 for rotary models."""
-    table = next((m.weight for name, m in model.named_modules() if name.split(".")[-1] == "wpe"), None)
-    return 0.0 if table is None else table.numel() * table.element_size() / weight_bytes(model)
 
 
 def weight_read_bytes(model, rows: int) -> int:
@@ -278,9 +277,6 @@ def arithmetic_intensity(model, batch_size: int, seq_len: int) -> float:
     return decode_step_flops(model, batch_size, seq_len) / decode_step_bytes(model, batch_size, seq_len)
 
 
-def ridge_point(bandwidth: float, flops: float) -> float:
-    """FLOPs per byte at which a machine's compute time equals its memory time."""
-    return _rate(flops, "flops") / _rate(bandwidth, "bandwidth")
 
 
 def critical_batch(model, seq_len: int, bandwidth: float, flops: float, limit: int = 1 << 30) -> int | None:
@@ -366,7 +362,6 @@ def _meta_by_name(name: str, dtype: torch.dtype):
 def _meta_model(name_or_config, dtype):
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from .calculator import all_models
 
     config = name_or_config
     if isinstance(config, str):

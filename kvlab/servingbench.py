@@ -19,23 +19,17 @@ import random
 
 import torch
 
-from .paged import PagedKVCache
+from . import progress
+from .serving.reference import References
+from .paged import BlockAllocator, blocks_for
+from .paged_cache import PagedKVCache
+from .roofline import _lm_head, cache_read_bytes, matmul_weights, weight_bytes
 from .serving import BlockManager, Engine, Runner, Sequence, Status
+from .timing import Timing, compare
+from .verdicts import NOISE, on, told_apart
 
 # ---------------------------------------------------------------------------------------------------
 # Workloads and the reference
-
-
-@torch.no_grad()
-def reference_tokens(model, prompt, max_new_tokens: int, eos_token_id=None) -> list[int]:
-    """What the hand-built GPT-2 generates for this prompt alone (chapter 3's cached greedy loop)."""
-    from .gpt2 import generate
-
-    ids = torch.tensor([list(prompt)], device=model.wte.weight.device)
-    new = generate(model, ids, max_new_tokens)[0, len(prompt):].tolist()
-    if eos_token_id is not None and eos_token_id in new:
-        new = new[:new.index(eos_token_id) + 1]
-    return new
 
 
 def random_workload(n: int, vocab_size: int, prompt_len=(4, 48), new_tokens=(4, 64), seed: int = 0,
@@ -75,23 +69,6 @@ def serve(model, workload, arrivals=None, eos_token_id=None, prefix=None, **engi
         eng.submit(prompt, m, eos_token_id, arrival=arrivals[i] if arrivals else 0.0)
     eng.run()
     return eng
-
-
-class References:
-    """Each prompt's tokens generated alone, computed once (the invariant is checked on every run)."""
-
-    def __init__(self, model):
-        self.model, self.done = model, {}
-
-    def __call__(self, seq: Sequence) -> list[int]:
-        key = (seq.prompt, seq.max_new_tokens, seq.eos_token_id)
-        if key not in self.done:
-            self.done[key] = reference_tokens(self.model, seq.prompt, seq.max_new_tokens, seq.eos_token_id)
-        return self.done[key]
-
-    def mismatches(self, eng: Engine) -> list:
-        """Ids of the requests that did not finish with their prompt's tokens generated alone."""
-        return [s.rid for s in eng.seqs.values() if s.status is not Status.FINISHED or s.output != self(s)]
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -159,7 +136,6 @@ def step_floor(model, tokens: int, logit_rows: int, keys: int, pairs: int, bandw
     """The least time one ragged step could take: every weight read once, the keys and values of the
     step's sequences read once; FLOPs of ``tokens`` through the layers, of the LM head for the
     ``logit_rows`` rows that get logits only, and of attention over ``pairs`` (query, key) pairs."""
-    from .roofline import _lm_head, cache_read_bytes, matmul_weights, weight_bytes
 
     cfg = model.config
     head = _lm_head(model).numel()
@@ -186,7 +162,6 @@ def prepared_steps(model, rows: int, context: int, prompt_len: int, block_size: 
     """A runner with ``rows`` sequences of ``context`` cached tokens, each due one decode token, and
     one new prompt of ``prompt_len`` tokens: ``(runner, decode work, prefill work)``. Running a step
     does not advance anything (the engine does), so the same step can be timed again and again."""
-    from .paged import blocks_for
 
     nb = rows * blocks_for(context + 1, block_size) + blocks_for(prompt_len, block_size)
     bm = BlockManager(nb, block_size, prefix_caching=False)
@@ -208,7 +183,6 @@ def mixed_step_timings(model, rows: int, context: int, prompt_len: int, repeats:
     """Interleaved timings of: the decode step of ``rows`` sequences alone, a ``prompt_len``-token
     prefill alone, both in ONE ragged step, and a padded step (``rows + 1`` rows x ``prompt_len``
     tokens through the same model, no cache: what padding every row to the prompt computes at least)."""
-    from .timing import compare
 
     runner, decode, prefill = prepared_steps(model, rows, context, prompt_len)
     padded = torch.randint(1, model.config.vocab_size, (rows + 1, prompt_len), device=runner.device)
@@ -221,7 +195,6 @@ def mixed_step_timings(model, rows: int, context: int, prompt_len: int, repeats:
 def block_size_timings(model, variants: dict, rows: int, context: int, repeats: int = 5) -> dict:
     """Median seconds of one decode step of ``rows`` sequences holding ``context`` tokens each, per
     variant ``name -> (block_size, gather)`` (``gather=None``: one indexing op for the whole step)."""
-    from .timing import compare
 
     fns = {}
     for name, (bs, gather) in variants.items():
@@ -235,7 +208,6 @@ def reserved_vs_used(lengths: list[int], max_len: int, batch_size: int, block_si
     ``max_len`` per sequence (chapter 3's cache); a growing cache per static batch of ``batch_size``
     (every row as long as its batch's longest); paged blocks of each size, counted by running lab 9's
     :class:`~kvlab.paged.BlockAllocator` one token at a time."""
-    from .paged import BlockAllocator, blocks_for
 
     used = sum(lengths)
     rows = [dict(scheme=f"reserve max_len={max_len} per sequence", reserved=len(lengths) * max_len)]
@@ -286,10 +258,9 @@ def interleaved_runs(model, workload, policies: dict, repeats: int = 1, arrivals
                      **common) -> dict:
     """Serve ``workload`` under every policy (``name -> engine kwargs``), ``repeats`` rounds interleaved;
     returns ``name -> [Engine]``."""
-    from .progress import bar as tqdm
 
     runs = {name: [] for name in policies}
-    for _ in tqdm(range(repeats), desc="rounds", leave=False, disable=not progress):
+    for _ in progress.bar(range(repeats), desc="rounds", leave=False, disable=not progress):
         for name, kw in policies.items():
             runs[name].append(serve(model, workload, arrivals=arrivals, **(common | kw)))
     return runs
@@ -304,10 +275,9 @@ def poisson_sweep(model, workload, rates, policies: dict, repeats: int = 1, seed
                   refs: References | None = None, **common) -> list[dict]:
     """Every policy at every arrival rate (requests/s), rounds interleaved; one row per (rate, policy)
     with the median summary and each round's summary (``runs``). Checks the invariant on every run."""
-    from .progress import bar as tqdm
 
     rows = {(r, p): dict(rate=r, policy=p, runs=[]) for r in rates for p in policies}
-    for rep in tqdm(range(repeats), desc="sweep rounds", leave=False):
+    for rep in progress.bar(range(repeats), desc="sweep rounds", leave=False):
         for r in rates:
             arrivals = poisson_arrivals(len(workload), r, seed)
             for p, kw in policies.items():
@@ -327,8 +297,6 @@ def poisson_sweep(model, workload, rates, policies: dict, repeats: int = 1, seed
 def best_of(samples: dict[str, list[float]], what: str, device, lower_is_better: bool = True) -> str:
     """Which variant is best on a measured quantity, if the noise test tells it from the runner-up
     (:func:`kvlab.verdicts.told_apart` on the per-round values), as a sentence."""
-    from .timing import Timing
-    from .verdicts import NOISE, on, told_apart
 
     ranked = sorted(samples, key=lambda k: percentile(samples[k], 0.5), reverse=not lower_is_better)
     best, second = ranked[:2]

@@ -25,7 +25,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from . import designs
-from .models import TINY_DIR, window_loss
+from .paths import TINY_DIR
+from .quality import window_loss
 from .progress import bar
 from .timing import compare
 

@@ -22,18 +22,13 @@ from __future__ import annotations
 
 import copy
 import math
-import os
-import shutil
-import subprocess
-import sys
-import time
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
 from .cache import EMPTY, Cache
-from .generate import check_inputs, check_max_len
+from .validate import check_inputs, check_max_len
 
 
 class StaticCache(Cache):
@@ -316,89 +311,7 @@ def _tensors_of(obj):
         yield from (t for t in items if isinstance(t, torch.Tensor))
 
 
-def cpu_compiler() -> str:
-    """The C++ compiler inductor builds its CPU kernels with (``$CXX``, else ``g++``; ``clang++`` on
-    macOS) and its version. ``torch.compile`` on a CPU writes C++ and needs one: without it, say so."""
-    cxx = os.environ.get("CXX", "clang++" if sys.platform == "darwin" else "g++")
-    if shutil.which(cxx) is None:
-        raise RuntimeError(f"torch.compile on a CPU needs a C++ compiler and '{cxx}' is not installed: "
-                           "install g++ (Debian/Ubuntu: apt-get install g++) or point CXX at another one")
-    version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout.splitlines()
-    return f"{cxx} ({version[0] if version else 'unknown version'})"
-
-
-def time_first_call(fn, device) -> float:
-    """Seconds of ONE call of ``fn``, the one that compiles. ``torch.utils.benchmark`` cannot time it: it
-    warms up before measuring, and the warm-up is exactly the compilation. So: a wall clock around a
-    single call, the device synchronised before and after (CUDA runs asynchronously)."""
-    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
-    sync()
-    start = time.perf_counter()
-    fn()
-    sync()
-    return time.perf_counter() - start
-
-
-def break_even_tokens(compile_seconds: float, eager_per_token: float, compiled_per_token: float):
-    """After how many generated tokens compiling has paid for itself (``None``: it never does)."""
-    gain = eager_per_token - compiled_per_token
-    return compile_seconds / gain if gain > 0 else None
-
-
 # ---------------------------------------------------------------------------------------------------
 # transformers' way: StaticCache + torch.compile inside generate
 
 
-def hf_compile_config(device, backend="inductor", mode: str | None = None):
-    """A transformers ``CompileConfig`` for ``generate`` (chapter 8): ``reduce-overhead`` (CUDA
-    graphs) on CUDA, inductor's default mode elsewhere. transformers compiles the decode step by itself
-    only on accelerators; its ``_compile_all_devices`` flag (meant for exactly this) asks it to on a
-    CPU too. The flag is private: if this transformers release no longer reads it, a RuntimeError
-    says so here, rather than ``generate`` running eagerly in a row that claims to be compiled."""
-    from transformers import CompileConfig
-
-    device = torch.device(device)
-    if mode is None:
-        mode = "reduce-overhead" if device.type == "cuda" else "default"
-    config = CompileConfig(backend=backend, mode=mode, fullgraph=True, dynamic=False)
-    if device.type != "cuda":
-        if not honours_compile_all_devices():
-            import transformers
-            raise RuntimeError(
-                f"transformers {transformers.__version__} no longer reads CompileConfig._compile_all_devices, the "
-                f"private flag that makes generate compile its decode step on a {device.type}: its 'compiled' row "
-                "would run eagerly. Install the release requirements-lab.txt pins (transformers>=5.24,<5.25), or "
-                "leave the transformers compiled row out on this device.")
-        config._compile_all_devices = True
-    return config
-
-
-def honours_compile_all_devices() -> bool:
-    """Whether transformers' CompileConfig has ``_compile_all_devices`` and generate's rule for
-    compiling by itself (``GenerationMixin._valid_auto_compile_criteria``) still reads it."""
-    import inspect
-
-    from transformers import CompileConfig
-    from transformers.generation.utils import GenerationMixin
-
-    rule = getattr(GenerationMixin, "_valid_auto_compile_criteria", None)
-    try:
-        source = inspect.getsource(rule) if rule is not None else ""
-    except (OSError, TypeError):
-        source = ""
-    return hasattr(CompileConfig, "_compile_all_devices") and "_compile_all_devices" in source
-
-
-@torch.no_grad()
-def hf_static_generate(model, input_ids, max_new_tokens: int, compile_config=None) -> torch.Tensor:
-    """transformers' greedy ``generate`` with ``cache_implementation="static"`` (chapter 8); the decode
-    step compiled with ``compile_config`` (see :func:`hf_compile_config`), or eager when it is ``None``
-    (on a GPU transformers would otherwise compile it on its own). transformers keeps the compiled
-    step on the model and compiles again only for a config with other settings, or new shapes."""
-    ids = check_inputs(model, input_ids, max_new_tokens)
-    if max_new_tokens == 0:
-        return ids
-    how = {"compile_config": compile_config} if compile_config is not None else {"disable_compile": True}
-    return model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                          max_new_tokens=max_new_tokens, eos_token_id=None,
-                          pad_token_id=model.config.eos_token_id, cache_implementation="static", **how)

@@ -13,15 +13,18 @@ recording of the CUDA graph) is measured on its own with :func:`kvlab.static.tim
 
 from __future__ import annotations
 
+import os
+import shutil
+import subprocess
+import sys
 import time
 
 import torch
 import torch.nn.functional as F
 
-from . import floorbench, gpt2, harness, plots, probes, roofline, static, timing, verdicts
-from .generate import hf_greedy
-from .models import device_name
-from .tables import show
+from . import gpt2, harness, probes, reference, roofline, rooflinebench, static, timing
+from .reference import hf_greedy
+from .provenance import device_name
 
 # The four generators, and for each compiled one the eager one it replaces.
 EAGER_HF, COMPILED_HF = "transformers, eager", "transformers, static + compiled"
@@ -70,10 +73,10 @@ def graphs_compiled(model: gpt2.GPT2, prompt, steps: int, how: str) -> dict:
 
 
 def _generators(hf, ours, prompt, new_tokens, device):
-    config = static.hf_compile_config(device)
+    config = reference.hf_compile_config(device)
     dec = static.StaticDecoder(ours, max_len=prompt.shape[1] + new_tokens).compile()
     return dec, dict(zip(VARIANTS, (lambda: hf_greedy(hf, prompt, new_tokens),
-                               lambda: static.hf_static_generate(hf, prompt, new_tokens, config),
+                               lambda: reference.hf_static_generate(hf, prompt, new_tokens, config),
                                lambda: gpt2.generate(ours, prompt, new_tokens),
                                lambda: dec.generate(prompt, new_tokens))))
 
@@ -100,7 +103,7 @@ def _rows(hf, res, first, matvec, m, prompt_len, new_tokens, dec) -> list[dict]:
             r.update(decoder=dec, part_floors=part_floors(hf, 1, prompt_len + n, bw, fl))
         if name in TWIN:
             r["compile_s"] = compile_seconds(first[name], t.median)
-            r["break_even"] = static.break_even_tokens(r["compile_s"], res[TWIN[name]].median / n,
+            r["break_even"] = break_even_tokens(r["compile_s"], res[TWIN[name]].median / n,
                                                        t.median / n)
         rows.append(r)
     return rows
@@ -120,7 +123,7 @@ def measure(hf, prompt_len: int, new_tokens: int, threads: int | None = None, re
     g = torch.Generator().manual_seed(1)
     prompt = torch.randint(0, hf.config.vocab_size, (1, prompt_len), generator=g).to(device)
     dec, runs = _generators(hf, ours, prompt, new_tokens, device)
-    first = {name: static.time_first_call(runs[name], device) for name in TWIN}
+    first = {name: time_first_call(runs[name], device) for name in TWIN}
     _check_tokens(runs, hf, prompt_len, new_tokens)
     m = probes.machine(device, roofline.model_dtype(hf), verbose=False)
     products = matvec_fn(ours)             # timed with the generators, under the same conditions
@@ -128,27 +131,6 @@ def measure(hf, prompt_len: int, new_tokens: int, threads: int | None = None, re
                          repeats=repeats, progress=progress)
     matvec = res.pop("matvec").median / new_tokens
     return _rows(hf, res, first, matvec, m, prompt_len, new_tokens, dec)
-
-
-def print_rows(rows: list[dict]) -> None:
-    """The generators against the floor, with achieved bandwidth and what compiling cost, as a table
-    that fits the page (:func:`kvlab.tables.show`)."""
-    def pays(r):
-        return ("-" if r["compile_s"] is None else "never" if r["break_even"] is None
-                else f"{r['break_even']:,.0f} tokens")
-    show([{"model": r["model"], "threads": r["threads"], "generator": r["generator"],
-           "ms/token": f"{r['per_token'] * 1e3:.3f}", "floor ms": f"{r['floor_per_token'] * 1e3:.3f}",
-           "x floor": f"{r['ratio']:.2f}x", "achieved GB/s": f"{r['achieved'] / 1e9:.2f}",
-           "of read probe": f"{r['achieved'] / r['bandwidth']:.0%}", "read probe GB/s": f"{r['bandwidth'] / 1e9:.1f}",
-           "compile s": "-" if r["compile_s"] is None else f"{r['compile_s']:.1f}", "pays off after": pays(r)}
-          for r in rows])
-
-
-def plot_rows(rows: list[dict], ax) -> None:
-    """Measured ms per token (bars) and the floor (black ticks), one group per model."""
-    plots.bars_against_floor(ax, rows, lambda r: (r["model"], r["threads"]), "generator", VARIANTS,
-                             lambda g: f"{g[0]}\n{g[1]} thread{'s' * (g[1] > 1)}",
-                             "eager and compiled, against the floor", hatched=set(TWIN))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -180,38 +162,6 @@ def static_floor(hf, max_len: int, bandwidth: float, flops: float) -> float:
 # Verdicts: sentences computed from the rows
 
 
-def row(rows, model, generator, threads=None) -> dict:
-    return next(r for r in rows if r["model"] == model and r["generator"] == generator
-                and (threads is None or r["threads"] == threads))
-
-
-def fastest_sentence(rows, model) -> str:
-    mine = [r for r in rows if r["model"] == model]
-    best = min(mine, key=lambda r: r["per_token"])
-    base = row(mine, model, EAGER_HF)
-    where = f"{best['threads']} thread{'s' * (best['threads'] > 1)}, {best['device']}"
-    rival = min((r for r in mine if r is not best), key=lambda r: r["per_token"])
-    told = verdicts.told_apart(best["timing"], rival["timing"])
-    lead = (f"the fastest is '{best['generator']}'" if told else
-            f"'{best['generator']}' and '{rival['generator']}' are the two fastest, not told apart by "
-            f"the noise test (kvlab.verdicts), with '{best['generator']}' the lower median")
-    return (f"On {model} ({where}) {lead}: {best['per_token'] * 1e3:.3f} ms per token, "
-            f"{base['per_token'] / best['per_token']:.2f}x transformers' eager generate and "
-            f"{best['ratio']:.2f}x the floor.")
-
-
-def compile_sentence(rows, model) -> str:
-    parts = []
-    for name, twin in TWIN.items():
-        r, e = row(rows, model, name), row(rows, model, twin)
-        speed = e["per_token"] / r["per_token"]
-        when = (f"pays for its {r['compile_s']:.1f} s of compilation after about "
-                f"{r['break_even']:,.0f} tokens" if r["break_even"] is not None else
-                f"never pays for its {r['compile_s']:.1f} s of compilation here (it is not faster)")
-        parts.append(f"'{name}' runs at {speed:.2f}x '{twin}' and {when}")
-    return f"On {model}: " + "; ".join(parts) + "."
-
-
 def compile_seconds(first_call: float, steady: float) -> float:
     """The one definition of "compile s" (chapter 8, ``make bench``, the report): the first call's
     seconds minus the steady-state median of the same call (which includes the run itself), so it
@@ -219,47 +169,6 @@ def compile_seconds(first_call: float, steady: float) -> float:
     return max(first_call - steady, 0.0)
 
 
-def question_sentences(rows, tiny="kvlab-tiny", big="shape:gpt2") -> list[str]:
-    """The chapter's two questions, answered from this run (reported, never asserted): how much of
-    the small model's overhead compiling removes, and how close the compiled step of a GPT-2-sized
-    model on one thread comes to the read probe's bandwidth."""
-    out = []
-    if any(r["model"] == tiny for r in rows):
-        e, c = row(rows, tiny, EAGER_HF), row(rows, tiny, COMPILED_OURS)
-        out.append(f"How much faster than transformers' eager generate is the compiled hand-built decode of "
-                   f"{tiny}? " + verdicts.faster(c["timing"], e["timing"], c["device"], COMPILED_OURS, EAGER_HF) + ".")
-    if any(r["model"] == big and r["threads"] == 1 for r in rows):
-        r = row(rows, big, COMPILED_OURS, threads=1)
-        out.append(f"How close does the compiled decode of {big} on one thread come to what memory can "
-                   f"stream? {r['achieved'] / 1e9:.1f} GB/s, {r['achieved'] / r['bandwidth']:.0%} of the read "
-                   f"probe, {r['ratio']:.2f}x the floor.")
-    return out
-
-
-def achieved_lines(rows) -> list[str]:
-    """Achieved bandwidth of every generator: bytes of the generation / its measured time, in GB/s
-    and as a share of the read probe (the number to compare across machines)."""
-    return [f"{r['model']:13} {r['threads']:3d} thr  {r['generator']:32} {r['achieved'] / 1e9:7.2f} GB/s "
-            f"{r['achieved'] / r['bandwidth']:6.0%} of the read probe ({r['bandwidth'] / 1e9:.1f} GB/s)"
-            for r in rows]
-
-
-def remains_sentences(rows, model) -> list[str]:
-    """What the compiled hand-built step of ``model`` spends above the floor, from the measured rows."""
-    r = row(rows, model, COMPILED_OURS)
-    step, mv, rest = r["per_token"], r["matvec_per_token"], max(r["per_token"] - r["matvec_per_token"], 0)
-    slots = r["prompt_len"] + r["new_tokens"]
-    return [
-        f"{model}, {r['threads']} thread(s): compiled step {step * 1e3:.3f} ms, floor "
-        f"{r['floor_per_token'] * 1e3:.3f} ms ({r['ratio']:.2f}x)",
-        f"  matrix products alone: {mv * 1e3:.3f} ms, {mv / r['weight_s']:.2f}x the time to read the weights "
-        f"once at the read probe's bandwidth; {min(mv / step, 1):.0%} of the compiled step",
-        f"  floor if attention reads all {slots} slots of the static buffers: "
-        f"{r['static_floor'] * 1e3:.3f} ms, "
-        f"{r['static_floor'] / r['floor_per_token'] - 1:+.1%} on the floor of the filled cache",
-        f"  the rest (attention, norms, embeddings, argmax, the loop and its guards): {rest * 1e3:.3f} ms, "
-        f"{rest / step:.0%} of the step",
-    ]
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -275,7 +184,7 @@ PARTS = ("matrix products", "attention", "everything else")
 _STEP = "kvlab::compiled_step"
 _GENERATED = "## Call CompiledFxGraph"    # inductor's generated code on a CPU: its fused kernels, their caller
 _MATMUL_OPS = {"mm", "addmm", "addmv", "mv", "linear", "_mkl_linear", "_linear_pointwise"}
-_ATTENTION_OPS = floorbench._CATEGORIES["attention"] | {"bmm", "baddbmm", "_safe_softmax"}
+_ATTENTION_OPS = rooflinebench._CATEGORIES["attention"] | {"bmm", "baddbmm", "_safe_softmax"}
 # GPU kernel names, by substring (lower case); attention first: "fmha_cutlassF" is attention, not a GEMM
 _ATTENTION_KERNELS = ("flash", "fmha", "attention", "attn", "sdpa", "softmax")
 _MATMUL_KERNELS = ("gemm", "gemv", "cutlass", "xmma", "splitk", "dot_kernel", "triton_tem_fused_mm",
@@ -347,7 +256,7 @@ def profile_compiled_step(dec, steps: int = 5, rounds: int = 3) -> dict[str, tim
     _unprofiled(dec, 1, last, cuda)                  # one step first: nothing one-off lands in a sample
     for _ in range(rounds):
         samples["unprofiled"].append(_unprofiled(dec, steps, last, cuda))
-        with floorbench._quiet_fd2(), profile(activities=acts) as prof:
+        with rooflinebench._quiet_fd2(), profile(activities=acts) as prof:
             for _ in range(steps):
                 dec.cache.position.fill_(last)
                 with record_function(_STEP):
@@ -395,59 +304,30 @@ def step_breakdown(r: dict, steps: int = 10, rounds: int = 5) -> list[dict]:
     return out
 
 
-def print_breakdown(parts: list[dict]) -> None:
-    """The profiled parts of a compiled step against their floors (:func:`kvlab.tables.show`). Each
-    part is the median over the profiled rounds; "share" is of the three medians' sum (medians do not
-    add up to the median wall time)."""
-    total = {m: sum(b["seconds"] for b in parts if b["model"] == m) for m in {b["model"] for b in parts}}
-    show([{"model": b["model"], "threads": b["threads"], "part": b["part"], "ms/step": f"{b['seconds'] * 1e3:.3f}",
-           "share": f"{b['seconds'] / total[b['model']]:.0%}" if total[b["model"]] else "-",
-           "floor ms": f"{b['floor'] * 1e3:.4f}",
-           "x floor": f"{b['seconds'] / b['floor']:.1f}x" if b["floor"] else "-",
-           "above floor ms": f"{(b['seconds'] - b['floor']) * 1e3:.3f}"} for b in parts],
-         caption=f"torch {torch.__version__} profiler, medians of " + "; ".join(dict.fromkeys(
-             f"{b['model']}: {b['profiled']}, max_len {b['max_len']}, {b['where']}" for b in parts)))
+def cpu_compiler() -> str:
+    """The C++ compiler inductor builds its CPU kernels with (``$CXX``, else ``g++``; ``clang++`` on
+    macOS) and its version. ``torch.compile`` on a CPU writes C++ and needs one: without it, say so."""
+    cxx = os.environ.get("CXX", "clang++" if sys.platform == "darwin" else "g++")
+    if shutil.which(cxx) is None:
+        raise RuntimeError(f"torch.compile on a CPU needs a C++ compiler and '{cxx}' is not installed: "
+                           "install g++ (Debian/Ubuntu: apt-get install g++) or point CXX at another one")
+    version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout.splitlines()
+    return f"{cxx} ({version[0] if version else 'unknown version'})"
 
 
-def plot_breakdown(parts: list[dict], ax) -> None:
-    """Each part's profiled ms per step (bars) and its floor (black ticks), log scale."""
-    rows = [dict(b, per_token=b["seconds"], floor_per_token=b["floor"], what="compiled step, profiled")
-            for b in parts]
-    plots.bars_against_floor(ax, rows, lambda r: (r["model"], r["part"]), "what", ("compiled step, profiled",),
-                             lambda g: f"{g[0]}\n{g[1]}", "a compiled step's parts, against each one's floor")
+def time_first_call(fn, device) -> float:
+    """Seconds of ONE call of ``fn``, the one that compiles. ``torch.utils.benchmark`` cannot time it: it
+    warms up before measuring, and the warm-up is exactly the compilation. So: a wall clock around a
+    single call, the device synchronised before and after (CUDA runs asynchronously)."""
+    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
+    sync()
+    start = time.perf_counter()
+    fn()
+    sync()
+    return time.perf_counter() - start
 
 
-def breakdown_sentence(parts: list[dict]) -> str:
-    """Which part of the profiled compiled step is farthest above its floor (seconds above it), and
-    whether the noise test (:mod:`kvlab.verdicts`) tells it from the next one."""
-    b = parts[0]
-    if not any(x["seconds"] for x in parts if x["part"] != "everything else"):   # nothing was named
-        why = ("no kernel of the replayed CUDA graph was recorded" if b["device"] == "cuda" else
-               "their operators go by names this attribution does not know")
-        return (f"On {b['model']} ({b['where']}) the profiler named no matrix product and no attention in "
-                f"the compiled step ({why}), so its {b['wall'] * 1e3:.3f} ms are not split into parts here.")
-    first, second = sorted(parts, key=lambda b: -b["excess"].median)[:2]
-    b, nxt = first, second["excess"].median
-    told = nxt <= 0 < b["excess"].median or verdicts.told_apart(first["excess"], second["excess"])
-    return (f"On {b['model']} ({b['where']}), the part of the profiled compiled step farthest above its floor "
-            f"is {b['part']}: {b['seconds'] * 1e3:.3f} ms against a floor of {b['floor'] * 1e3:.4f} ms, "
-            f"{b['excess'].median * 1e3:.3f} ms of the {sum(x['excess'].median for x in parts) * 1e3:.3f} ms "
-            f"the three parts spend above theirs; "
-            + (f"the next, {second['part']}, is {nxt * 1e3:.3f} ms above its own." if told else
-               f"{second['part']} ({nxt * 1e3:.3f} ms above its floor) is not told apart from it by the "
-               "noise test (kvlab.verdicts)."))
-
-
-def profiler_sentence(parts: list[dict]) -> str:
-    """What the profile itself says about "everything else": how much of it the profiler's own events
-    cost (profiled against unprofiled steps) and how much ran inside inductor's generated code."""
-    b = parts[0]
-    cost = b["wall"] - b["unprofiled"]
-    gen = ("on a GPU, the device time of inductor's Triton kernels" if b["device"] == "cuda" else
-           "inside inductor's generated code (its fused C++ kernels and the Python that calls them)")
-    paid = (f"so about {cost * 1e3:.3f} ms of 'everything else' is the profiler's own cost"
-            if cost > 0 and verdicts.told_apart(b["wall_timing"], b["unprofiled_timing"]) else
-            "not told apart by the noise test (kvlab.verdicts): the profiler's own cost is within this "
-            "run's noise")
-    return (f"{b['model']}: the profiled step took {b['wall'] * 1e3:.3f} ms, the same steps without the "
-            f"profiler {b['unprofiled'] * 1e3:.3f} ms, {paid}; {b['fused'] * 1e3:.3f} ms of the step ran {gen}.")
+def break_even_tokens(compile_seconds: float, eager_per_token: float, compiled_per_token: float):
+    """After how many generated tokens compiling has paid for itself (``None``: it never does)."""
+    gain = eager_per_token - compiled_per_token
+    return compile_seconds / gain if gain > 0 else None

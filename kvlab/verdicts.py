@@ -16,7 +16,7 @@ from statistics import median
 
 import torch
 
-from .models import device_name
+from .provenance import device_name
 from .timing import Timing
 
 #: Medians closer than this (relative) are not told apart, whatever their samples say.
@@ -142,12 +142,6 @@ def trend(xs, ys, xname: str, yname: str, device, unit: str = "x") -> str:
             f"{xname}={xs[-1]} {on(device)}")
 
 
-def largest_share(parts: dict[str, float], whole: str, device) -> str:
-    """Which part is largest, and its share: ``"<part> is the largest part of <whole> (62%) on DEVICE"``."""
-    total = sum(parts.values())
-    name = max(parts, key=parts.get)
-    share = parts[name] / total if total else float("nan")
-    return f"{name} is the largest part of {whole} ({share:.0%}) {on(device)}"
 
 
 def quantization(rows: dict, kivi: str, tensor: str, token: str, resid: str, device) -> str:

@@ -17,7 +17,7 @@ nothing but two Debian packages:
    bf16 autocast on the CPU (weights and optimizer state stay fp32), random 512-token
    crops, batch 8, and a fixed *step* budget so that a rerun is the same run step for step.
 5. **Evaluation.** Perplexity on ``heldout.txt`` with the protocol the book uses
-   (``kvlab.models.window_loss``, shared with the tests): tokenize the whole file as one
+   (``kvlab.quality.window_loss``, shared with the tests): tokenize the whole file as one
    string, cut the ids into consecutive non-overlapping 512-token windows (the last
    partial window is dropped), run the model in fp32 and average the cross-entropy over
    all 511 predicted positions of every window; perplexity = exp(mean).
@@ -76,7 +76,7 @@ from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel, PreTrainedT
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))   # the perplexity protocol lives in kvlab (importable without installing it)
-from kvlab.models import window_loss  # noqa: E402
+from kvlab.quality import window_loss
 WORK = REPO / "models" / "_work"
 DEFAULT_OUT = REPO / "models" / "kvlab-tiny"
 EOT = "<|endoftext|>"

@@ -11,9 +11,9 @@ import torch  # noqa: E402
 @pytest.fixture(scope="session")
 def tiny():
     """The bundled model and tokenizer, fp32 on the CPU."""
-    from kvlab import models
+    from kvlab import loading
 
-    return models.load("kvlab-tiny", device="cpu")
+    return loading.load("kvlab-tiny", device="cpu")
 
 
 def expect_rejected(check, impl, *needles):

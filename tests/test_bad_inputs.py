@@ -13,7 +13,7 @@ import shutil
 import pytest
 import torch
 
-from kvlab import bench, calculator, generate, gpt2, models, paged, probes, quant, report, roofline
+from kvlab import (bench, calculator, catalogue, flops, gpt2, loading, paged, paged_cache, paths, probes, provenance, quality, quant, reference, report, roofline, validate)
 
 
 def raises(exc, call, *needles):
@@ -32,31 +32,31 @@ def raises(exc, call, *needles):
 @pytest.mark.parametrize("value", ["cuda", "cuda:7", "gpu", "GPU"])
 def test_kvlab_device_without_cuda_is_refused_by_pick_device(monkeypatch, value):
     monkeypatch.setenv("KVLAB_DEVICE", value)
-    raises(ValueError, models.pick_device, f"KVLAB_DEVICE={value!r}", "no CUDA GPU", "unset KVLAB_DEVICE")
+    raises(ValueError, loading.pick_device, f"KVLAB_DEVICE={value!r}", "no CUDA GPU", "unset KVLAB_DEVICE")
 
 
 @pytest.mark.parametrize("value, needle", [("tpu", "cpu, cuda"), ("cuda:x", "cpu, cuda"), ("meta", "cpu, cuda")])
 def test_kvlab_device_that_is_no_device_names_the_choices(monkeypatch, value, needle):
     monkeypatch.setenv("KVLAB_DEVICE", value)
-    raises(ValueError, models.pick_device, needle, "unset KVLAB_DEVICE")
+    raises(ValueError, loading.pick_device, needle, "unset KVLAB_DEVICE")
 
 
 @pytest.mark.parametrize("value", ["cpu", " CPU ", "Cpu"])
 def test_kvlab_device_cpu_in_any_case(monkeypatch, value):
     monkeypatch.setenv("KVLAB_DEVICE", value)
-    assert models.pick_device() == torch.device("cpu")
+    assert loading.pick_device() == torch.device("cpu")
 
 
 def test_cuda_index_past_the_gpus_is_refused(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
-    raises(ValueError, lambda: models.check_device("cuda:7"), "2 CUDA GPU(s)", "cuda:0 to cuda:1")
-    assert models.check_device("cuda:1") == torch.device("cuda:1")
+    raises(ValueError, lambda: loading.check_device("cuda:7"), "2 CUDA GPU(s)", "cuda:0 to cuda:1")
+    assert loading.check_device("cuda:1") == torch.device("cuda:1")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
 def test_load_and_machine_check_the_device_first():
-    raises(ValueError, lambda: models.load("kvlab-tiny", device="cuda"), "no CUDA GPU", "device='cpu'")
+    raises(ValueError, lambda: loading.load("kvlab-tiny", device="cuda"), "no CUDA GPU", "device='cpu'")
     raises(ValueError, lambda: probes.machine("cuda", verbose=False), "no CUDA GPU")
 
 
@@ -72,7 +72,7 @@ def test_the_machine_is_never_measured_on_meta_or_a_made_up_device(device):
 def tiny_copy(tmp_path):
     """A fresh copy of the bundled model's folder, to damage."""
     d = tmp_path / "copy"
-    shutil.copytree(models.TINY_DIR, d)
+    shutil.copytree(paths.TINY_DIR, d)
     return d
 
 
@@ -84,12 +84,12 @@ def tiny_copy(tmp_path):
     ("/no/such/folder", ("no checkpoint folder at /no/such/folder", "check the spelling")),
 ])
 def test_missing_model_says_what_was_looked_for_and_where(name, needles):
-    raises(models.ModelNotAvailable, lambda: models.load(name), *needles)
+    raises(loading.ModelNotAvailable, lambda: loading.load(name), *needles)
 
 
 def test_a_file_is_not_a_checkpoint_folder():
-    raises(models.ModelNotAvailable, lambda: models.load(str(models.TINY_DIR / "config.json")),
-           "is a file", f"here {models.TINY_DIR}")
+    raises(loading.ModelNotAvailable, lambda: loading.load(str(paths.TINY_DIR / "config.json")),
+           "is a file", f"here {paths.TINY_DIR}")
 
 
 @pytest.mark.parametrize("damage, needle", [
@@ -100,25 +100,25 @@ def test_a_file_is_not_a_checkpoint_folder():
 ])
 def test_damaged_weights_are_named_with_their_path(tiny_copy, damage, needle):
     damage(tiny_copy / "model.safetensors")
-    raises(models.ModelNotAvailable, lambda: models.load(str(tiny_copy)),
+    raises(loading.ModelNotAvailable, lambda: loading.load(str(tiny_copy)),
            str(tiny_copy / "model.safetensors"), needle, "copy the file again")
 
 
 def test_folder_without_weights_or_tokenizer(tiny_copy):
     for f in ("tokenizer.json", "tokenizer_config.json"):
         (tiny_copy / f).unlink()
-    raises(models.ModelNotAvailable, lambda: models.load(str(tiny_copy)), str(tiny_copy), "no tokenizer",
+    raises(loading.ModelNotAvailable, lambda: loading.load(str(tiny_copy)), str(tiny_copy), "no tokenizer",
            "tokenizer.save_pretrained")
     (tiny_copy / "model.safetensors").unlink()
-    raises(models.ModelNotAvailable, lambda: models.load(str(tiny_copy)), str(tiny_copy), "no weights")
+    raises(loading.ModelNotAvailable, lambda: loading.load(str(tiny_copy)), str(tiny_copy), "no weights")
 
 
 def test_checkpoint_that_does_not_load_names_its_folder(tiny_copy):
     cfg = json.loads((tiny_copy / "config.json").read_text())
     (tiny_copy / "config.json").write_text(json.dumps({**cfg, "n_embd": 128}))
-    raises(models.ModelNotAvailable, lambda: models.load(str(tiny_copy)), f"checkpoint in {tiny_copy}")
+    raises(loading.ModelNotAvailable, lambda: loading.load(str(tiny_copy)), f"checkpoint in {tiny_copy}")
     (tiny_copy / "config.json").write_text("{not json")
-    raises(models.ModelNotAvailable, lambda: models.load(str(tiny_copy)), str(tiny_copy))
+    raises(loading.ModelNotAvailable, lambda: loading.load(str(tiny_copy)), str(tiny_copy))
 
 
 def test_tokenizer_of_another_model_is_refused(tiny_copy):
@@ -126,22 +126,22 @@ def test_tokenizer_of_another_model_is_refused(tiny_copy):
     tok = AutoTokenizer.from_pretrained(tiny_copy)
     tok.add_tokens([f"extra{i}" for i in range(3)])
     tok.save_pretrained(tiny_copy)
-    raises(models.ModelNotAvailable, lambda: models.load(str(tiny_copy)), "4099 tokens", "vocabulary has 4096")
+    raises(loading.ModelNotAvailable, lambda: loading.load(str(tiny_copy)), "4099 tokens", "vocabulary has 4096")
 
 
 def test_bundled_model_by_its_path_is_labelled_tiny(tiny_copy):
-    model, _ = models.load(str(models.TINY_DIR) + "/")
+    model, _ = loading.load(str(paths.TINY_DIR) + "/")
     assert (model.kvlab_name, model.kvlab_kind) == ("kvlab-tiny", "tiny")
-    retrained, _ = models.load(str(tiny_copy))      # a kvlab-tiny elsewhere: its metrics.json says so
-    assert retrained.kvlab_kind == "tiny" and "bundled" in models.describe(retrained)
+    retrained, _ = loading.load(str(tiny_copy))      # a kvlab-tiny elsewhere: its metrics.json says so
+    assert retrained.kvlab_kind == "tiny" and "bundled" in provenance.describe(retrained)
     (tiny_copy / "metrics.json").unlink()           # a checkpoint of unknown origin: a real model
-    assert models.load(str(tiny_copy))[0].kvlab_kind == "real"
+    assert loading.load(str(tiny_copy))[0].kvlab_kind == "real"
 
 
 def test_load_dtype_by_name_and_refuses_integers():
-    model, _ = models.load("shape:gpt2", dtype="fp16")
+    model, _ = loading.load("shape:gpt2", dtype="fp16")
     assert next(model.parameters()).dtype == torch.float16
-    raises(ValueError, lambda: models.load("kvlab-tiny", dtype=torch.int64), "floating-point")
+    raises(ValueError, lambda: loading.load("kvlab-tiny", dtype=torch.int64), "floating-point")
 
 
 # ---- the commands: refused before any work, exit 2, one line -------------------------------------
@@ -223,60 +223,60 @@ def ours(tiny):
 
 def test_true_is_not_a_token_count(tiny, ours):
     ids = torch.tensor([[5, 17, 3]])
-    for call in (lambda: gpt2.generate(ours, ids, True), lambda: generate.check_inputs(tiny[0], ids, True),
-                 lambda: generate.naive_generate(tiny[0], ids, True)):
+    for call in (lambda: gpt2.generate(ours, ids, True), lambda: validate.check_inputs(tiny[0], ids, True),
+                 lambda: reference.naive_generate(tiny[0], ids, True)):
         raises(ValueError, call, "max_new_tokens", "got true", "max_new_tokens=20")
 
 
 @pytest.mark.parametrize("bad", [4096, -1])
 def test_ids_outside_the_vocabulary_are_refused_before_the_embedding(tiny, ours, bad):
     ids = torch.tensor([[5, bad, 3]])
-    for call in (lambda: gpt2.generate(ours, ids, 2), lambda: generate.naive_generate(tiny[0], ids, 2),
-                 lambda: generate.hf_greedy(tiny[0], ids, 2)):
+    for call in (lambda: gpt2.generate(ours, ids, 2), lambda: reference.naive_generate(tiny[0], ids, 2),
+                 lambda: reference.hf_greedy(tiny[0], ids, 2)):
         raises(ValueError, call, f"token id {bad} at position [0, 1]", "[0, 4096)", "own tokenizer")
 
 
 def test_float_ids_are_refused_not_truncated(tiny):
-    raises(ValueError, lambda: generate.naive_generate(tiny[0], torch.tensor([[5.7, 17.2]]), 2), "LongTensor")
-    raises(ValueError, lambda: generate.check_prompt([5.7, 17.2], 4096), "5.7", "ints", "nothing is rounded")
-    raises(ValueError, lambda: generate.check_prompt([True, 3], 4096), "True")
-    raises(ValueError, lambda: generate.check_prompt(torch.tensor([5.0, 6.0]), 4096), "LongTensor")
-    raises(ValueError, lambda: generate.check_prompt("In the beginning", 4096), "tokenizer(text)")
-    raises(ValueError, lambda: generate.check_prompt([], 4096), "empty")
-    raises(ValueError, lambda: generate.check_prompt([5, 4096], 4096), "position 1", "vocabulary")
-    assert generate.check_prompt(torch.tensor([[5, 17]]), 4096) == [5, 17]
-    assert generate.check_prompt((5, 17)) == [5, 17]
+    raises(ValueError, lambda: reference.naive_generate(tiny[0], torch.tensor([[5.7, 17.2]]), 2), "LongTensor")
+    raises(ValueError, lambda: validate.check_prompt([5.7, 17.2], 4096), "5.7", "ints", "nothing is rounded")
+    raises(ValueError, lambda: validate.check_prompt([True, 3], 4096), "True")
+    raises(ValueError, lambda: validate.check_prompt(torch.tensor([5.0, 6.0]), 4096), "LongTensor")
+    raises(ValueError, lambda: validate.check_prompt("In the beginning", 4096), "tokenizer(text)")
+    raises(ValueError, lambda: validate.check_prompt([], 4096), "empty")
+    raises(ValueError, lambda: validate.check_prompt([5, 4096], 4096), "position 1", "vocabulary")
+    assert validate.check_prompt(torch.tensor([[5, 17]]), 4096) == [5, 17]
+    assert validate.check_prompt((5, 17)) == [5, 17]
 
 
 def test_eos_given_as_a_list_is_refused():
-    raises(ValueError, lambda: generate.check_token_id([0], 4096), "one int token id", "tokenizer.eos_token_id")
-    raises(ValueError, lambda: generate.check_token_id(True, 4096), "eos_token_id")
-    raises(ValueError, lambda: generate.check_token_id(4096, 4096), "outside", "[0, 4096)")
-    assert generate.check_token_id(0, 4096) == 0
+    raises(ValueError, lambda: validate.check_token_id([0], 4096), "one int token id", "tokenizer.eos_token_id")
+    raises(ValueError, lambda: validate.check_token_id(True, 4096), "eos_token_id")
+    raises(ValueError, lambda: validate.check_token_id(4096, 4096), "outside", "[0, 4096)")
+    assert validate.check_token_id(0, 4096) == 0
 
 
 def test_static_max_len_zero_is_not_the_whole_context():
-    raises(ValueError, lambda: generate.check_max_len(0, 512), "max_len must be an int >= 1", "max_len=None")
-    raises(ValueError, lambda: generate.check_max_len(True, 512), "max_len")
-    raises(ValueError, lambda: generate.check_max_len(513, 512), "n_positions=512")
-    assert generate.check_max_len(None, 512) == 512 and generate.check_max_len(7, 512) == 7
+    raises(ValueError, lambda: validate.check_max_len(0, 512), "max_len must be an int >= 1", "max_len=None")
+    raises(ValueError, lambda: validate.check_max_len(True, 512), "max_len")
+    raises(ValueError, lambda: validate.check_max_len(513, 512), "n_positions=512")
+    assert validate.check_max_len(None, 512) == 512 and validate.check_max_len(7, 512) == 7
 
 
 def test_counting_helpers_refuse_negatives(tiny):
-    raises(ValueError, lambda: generate.positions_processed_naive(-1, 3), "prompt_len")
-    raises(ValueError, lambda: generate.positions_processed_cached(3, True), "new_tokens")
-    raises(ValueError, lambda: generate.forward_flops(tiny[0].config, -1), "n_new")
+    raises(ValueError, lambda: flops.positions_processed_naive(-1, 3), "prompt_len")
+    raises(ValueError, lambda: flops.positions_processed_cached(3, True), "new_tokens")
+    raises(ValueError, lambda: flops.forward_flops(tiny[0].config, -1), "n_new")
 
 
 def test_window_loss_refuses_what_it_would_coerce(tiny):
     model = tiny[0]
     text = torch.arange(300) % 4096
-    raises(ValueError, lambda: models.window_loss(model, text.float() + 0.7, window=64), "integer token ids")
-    raises(ValueError, lambda: models.window_loss(model, text + 4096, window=64), "vocabulary")
-    raises(ValueError, lambda: models.window_loss(model, text, window=1), "window must be an int >= 2")
-    raises(ValueError, lambda: models.window_loss(model, text, window=600), "context of 512")
-    raises(ValueError, lambda: models.window_loss(model, text, window=64, batch=0), "batch")
-    raises(ValueError, lambda: models.window_loss(model, text, window=64, max_windows=0), "max_windows")
+    raises(ValueError, lambda: quality.window_loss(model, text.float() + 0.7, window=64), "integer token ids")
+    raises(ValueError, lambda: quality.window_loss(model, text + 4096, window=64), "vocabulary")
+    raises(ValueError, lambda: quality.window_loss(model, text, window=1), "window must be an int >= 2")
+    raises(ValueError, lambda: quality.window_loss(model, text, window=600), "context of 512")
+    raises(ValueError, lambda: quality.window_loss(model, text, window=64, batch=0), "batch")
+    raises(ValueError, lambda: quality.window_loss(model, text, window=64, max_windows=0), "max_windows")
 
 
 # ---- the block allocator and the gathers ---------------------------------------------------------
@@ -348,7 +348,7 @@ def test_batched_gather_checks_every_row(tables, lengths, needles):
 
 def test_block_size_zero_is_a_clear_error():
     raises(ValueError, lambda: paged.blocks_for(5, 0), "block_size must be an int >= 1")
-    raises(ValueError, lambda: paged.PagedCache(2, 1, 2, 4, 16, block_size=0), "block_size")
+    raises(ValueError, lambda: paged_cache.PagedCache(2, 1, 2, 4, 16, block_size=0), "block_size")
 
 
 # ---- quantization ---------------------------------------------------------------------------------
@@ -404,7 +404,7 @@ def test_rates_and_sizes_must_make_sense(meta):
 
 
 def test_calculator_refuses_what_it_would_coerce():
-    cfg = calculator.all_models()["gpt2"]
+    cfg = catalogue.all_models()["gpt2"]
     raises(ValueError, lambda: calculator.calculator(cfg, 10, True, "fp16"), "batch_size")
     raises(ValueError, lambda: calculator.calculator(cfg, 10, 1, "fp16", gpus_gb=[0]), "gpus_gb", "> 0")
     raises(ValueError, lambda: calculator.calculator(cfg, 10, 1, "fp16", gpus_gb=80), "pass [80]")
@@ -415,12 +415,12 @@ def test_calculator_refuses_what_it_would_coerce():
 
 # ---- the caches' own boundaries (paged reserve, static decoder and buffer) -------------------------
 
-def _paged_state(c: paged.PagedKVCache):
+def _paged_state(c: paged_cache.PagedKVCache):
     return dict(c.lengths), c.num_free, {s: c.allocator.block_table(s) for s in c.lengths}, c.copies
 
 
 def test_paged_reserve_is_all_or_nothing():
-    c = paged.PagedKVCache(1, 1, 2, num_blocks=3, block_size=2)
+    c = paged_cache.PagedKVCache(1, 1, 2, num_blocks=3, block_size=2)
     c.reserve("a", 2)
     before = _paged_state(c)
     raises(ValueError, lambda: c.reserve("a", -3), "n (tokens to reserve)", ">= 0")
@@ -433,7 +433,7 @@ def test_paged_reserve_is_all_or_nothing():
 
 
 def test_paged_reserve_counts_the_copy_of_a_shared_tail():
-    c = paged.PagedKVCache(1, 1, 2, num_blocks=2, block_size=4)
+    c = paged_cache.PagedKVCache(1, 1, 2, num_blocks=2, block_size=4)
     c.reserve("a", 3)
     c.fork("a", "b")
     c.fork("a", "c")                                  # block 0 shared three ways, partly filled
@@ -444,8 +444,8 @@ def test_paged_reserve_counts_the_copy_of_a_shared_tail():
 
 
 def test_paged_pool_sizes_checked_before_allocating():
-    raises(ValueError, lambda: paged.PagedKVCache(1, 1, 2, num_blocks=3, block_size=0), "block_size", ">= 1")
-    raises(ValueError, lambda: paged.PagedKVCache(1, 1, 2, num_blocks=0, block_size=2), "num_blocks", ">= 1")
+    raises(ValueError, lambda: paged_cache.PagedKVCache(1, 1, 2, num_blocks=3, block_size=0), "block_size", ">= 1")
+    raises(ValueError, lambda: paged_cache.PagedKVCache(1, 1, 2, num_blocks=0, block_size=2), "num_blocks", ">= 1")
 
 
 def test_static_decoder_max_len_zero_is_refused(tiny):

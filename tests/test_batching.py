@@ -7,7 +7,7 @@ import torch
 
 from kvlab.batching import (batched_generate, generate_batch, make_batch, one_by_one, pad_fraction,
                             pad_token_id, positions_from_mask)
-from kvlab.generate import hf_greedy
+from kvlab.reference import hf_greedy
 
 PROMPTS = [
     "And",

@@ -8,8 +8,8 @@ import traceback
 import pytest
 import torch
 
-from kvlab.checks import check_attention, check_kv_cache
-from kvlab.checks._common import (GraderFailure, ValueReads, call_unmodified, confirmed,
+from kvlab.course.checks import check_attention, check_kv_cache
+from kvlab.course.checks._common import (GraderFailure, ValueReads, call_unmodified, confirmed,
                                   held_tensors, library_origin, misplaced)
 
 from conftest import own_copy
@@ -138,7 +138,7 @@ def test_held_tensors_and_misplaced():
 def test_an_unfilled_stub_says_so():
     """A lab's stub raises NotImplementedError: every check lets it through as it is (no grader
     message dressed around it, no grader frames)."""
-    from kvlab.checks import check_cache_bytes_prediction, check_static_cache
+    from kvlab.course.checks import check_cache_bytes_prediction, check_static_cache
 
     class Stub:
         def __init__(self, *args):
@@ -181,7 +181,7 @@ def uses_an_attribute_named_like_the_library(q, k, v, past_len):
 
 
 def test_a_wrapper_around_the_library_is_refused():
-    from kvlab.checks._common import library_calls
+    from kvlab.course.checks._common import library_calls
 
     assert library_calls(wraps_by_module) == ["kvlab.gpt2.attention"]
     assert library_calls(wraps_by_name) == ["kvlab.gpt2.attention"]

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from kvlab.checks import check_naive_generate
-from kvlab.generate import naive_generate as reference
+from kvlab.course.checks import check_naive_generate
+from kvlab.reference import naive_generate as reference
 
 from conftest import expect_rejected, own_copy
 
@@ -95,7 +95,7 @@ def test_rejects(impl, needles):
 
 from transformers import DynamicCache  # noqa: E402
 
-from kvlab.checks import check_sample_generate  # noqa: E402
+from kvlab.course.checks import check_sample_generate  # noqa: E402
 
 
 @torch.no_grad()
@@ -287,9 +287,9 @@ def test_sampler_rejects_a_seed_of_its_own():
 
 
 def test_library_refused():
-    from kvlab.generate import naive_generate
+    from kvlab.reference import naive_generate
 
-    expect_rejected(check_naive_generate, naive_generate, "kvlab.generate.naive_generate",
+    expect_rejected(check_naive_generate, naive_generate, "kvlab.reference.naive_generate",
                     "write it yourself")
 
 
@@ -297,8 +297,8 @@ def test_library_refused():
 def second_to_last_on_grader_text_0_only(model, ids, n):
     """Takes the second-to-last position's argmax, but only for prompts that start like grader text
     0: one prompt cannot tell this from a coincidence, so the grader must not name the mistake."""
-    from kvlab.checks._common import GRADER_TEXTS
-    from kvlab.models import load
+    from kvlab.course.checks._common import GRADER_TEXTS
+    from kvlab.loading import load
 
     first = load("kvlab-tiny")[1](GRADER_TEXTS[0]).input_ids[0]
     if int(ids[0, 0]) != first or ids.shape[1] < 2:

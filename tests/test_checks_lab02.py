@@ -10,9 +10,9 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from kvlab.checks import check_cached_generate
-from kvlab.generate import cached_generate as reference
-from kvlab.generate import naive_generate
+from kvlab.course.checks import check_cached_generate
+from kvlab.reference import cached_generate as reference
+from kvlab.reference import naive_generate
 
 from conftest import expect_rejected, own_copy
 
@@ -215,8 +215,8 @@ def test_rejects(impl, needles):
 
 # ------------------------------------------------ issue 18: hardened grader and generate_until
 
-from kvlab.checks import check_generate_until  # noqa: E402
-from kvlab.generate import cached_generate as reference_cached  # noqa: E402
+from kvlab.course.checks import check_generate_until  # noqa: E402
+from kvlab.reference import cached_generate as reference_cached
 
 reference_cached = own_copy(reference_cached)
 
@@ -351,7 +351,7 @@ def test_until_rejects_stale():
 
 
 def test_library_refused():
-    from kvlab.generate import cached_generate
+    from kvlab.reference import cached_generate
 
-    expect_rejected(check_cached_generate, cached_generate, "kvlab.generate.cached_generate",
+    expect_rejected(check_cached_generate, cached_generate, "kvlab.reference.cached_generate",
                     "write it yourself")

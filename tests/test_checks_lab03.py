@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from kvlab.cache import ConcatCache, PreallocatedCache
-from kvlab.checks import check_attention, check_generate_with_cache, check_kv_cache
+from kvlab.course.checks import check_attention, check_generate_with_cache, check_kv_cache
 from kvlab.gpt2 import attention as reference_attention
 
 from conftest import expect_rejected, own_copy
@@ -192,7 +192,7 @@ def test_generate_rejects(cache, attn, needles):
 
 # ------------------------------------------------ issue 18: contract edges, dtypes, devices
 
-from kvlab.checks import check_cache_bytes_prediction  # noqa: E402
+from kvlab.course.checks import check_cache_bytes_prediction  # noqa: E402
 
 
 class CacheOverflowIndexError(PreallocatedCache):

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from kvlab.checks import check_kv_cache_bytes, check_max_batch_size
+from kvlab.course.checks import check_kv_cache_bytes, check_max_batch_size
 
 from conftest import expect_rejected, own_copy
 
@@ -121,8 +121,8 @@ def test_rejects_max_batch_size(impl, needles):
 
 # ------------------------------------------------ issue 18: configs without head_dim, max_seq_len
 
-from kvlab.checks import check_max_seq_len  # noqa: E402
-from kvlab.memory import kv_cache_bytes as reference_bytes  # noqa: E402
+from kvlab.course.checks import check_max_seq_len  # noqa: E402
+from kvlab.memory import kv_cache_bytes as reference_bytes
 
 reference_bytes = own_copy(reference_bytes)
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from kvlab.checks import check_quantize
+from kvlab.course.checks import check_quantize
 from kvlab.quant import dequantize, quantize
 
 from conftest import expect_rejected, own_copy
@@ -152,7 +152,7 @@ def test_rejects_dequantize_without_zero_point():
 
 # ------------------------------------------------ issue 18: dtypes, bits, integer zero point
 
-from kvlab.checks import check_quantize_int  # noqa: E402
+from kvlab.course.checks import check_quantize_int  # noqa: E402
 
 
 def stats_in_float32(x, bits, dim):

@@ -9,8 +9,8 @@ from transformers import DynamicCache
 from kvlab.batching import batched_generate as reference_generate
 from kvlab.batching import make_batch as reference_make_batch
 from kvlab.batching import positions_from_mask
-from kvlab.checks import check_batched_generate, check_make_batch
-from kvlab.generate import cached_generate
+from kvlab.course.checks import check_batched_generate, check_make_batch
+from kvlab.reference import cached_generate
 
 from conftest import expect_rejected, own_copy
 
@@ -140,7 +140,7 @@ def test_batched_generate_rejects(impl, needles):
 
 def test_hook_is_removed():
     """The grader instruments its model with a hook; nothing may stay attached after a failure."""
-    from kvlab.checks._common import grading_model
+    from kvlab.course.checks._common import grading_model
 
     model, _ = grading_model()
     with pytest.raises(AssertionError):
@@ -153,7 +153,7 @@ def test_hook_is_removed():
 import re  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-from kvlab.checks import check_batched_generate_until  # noqa: E402
+from kvlab.course.checks import check_batched_generate_until  # noqa: E402
 
 
 @torch.no_grad()

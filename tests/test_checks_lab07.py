@@ -10,9 +10,9 @@ import torch
 
 from conftest import expect_rejected
 from kvlab import roofline
-from kvlab.checks import (check_bound_and_critical, check_decode_step_bytes, check_overhead_fit,
+from kvlab.course.checks import (check_bound_and_critical, check_decode_step_bytes, check_overhead_fit,
                           check_step_time_floor, check_sweep_plan)
-from kvlab.checks._common import grading_model
+from kvlab.course.checks._common import grading_model
 from kvlab.roofline import decode_step_flops
 
 
@@ -335,7 +335,7 @@ WRONG_CRIT = {
 
 
 def test_crit_endless_loop_is_stopped(monkeypatch):
-    from kvlab.checks import lab07
+    from kvlab.course.checks import lab07
     monkeypatch.setattr(lab07, "TIME_LIMIT_S", 0.5)
 
     def brute_force(model, B, S, bw, fl):

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvlab.checks import check_no_recompile, check_static_attention, check_static_cache
+from kvlab.course.checks import check_no_recompile, check_static_attention, check_static_cache
 from kvlab.static import StaticCache, static_attention, static_attention_explicit
 
 from conftest import expect_rejected, own_copy
@@ -298,7 +298,7 @@ def test_no_recompile_rejects(cache, attention, needles):
 
 # ------------------------------------------------ issue 24: the decode loop, a NaN in a hidden slot
 
-from kvlab.checks import check_hidden_nan, check_static_generate  # noqa: E402
+from kvlab.course.checks import check_hidden_nan, check_static_generate  # noqa: E402
 
 
 @torch.no_grad()

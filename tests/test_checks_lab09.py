@@ -4,7 +4,7 @@ naming the mistake; unusual correct ones pass."""
 import pytest
 import torch
 
-from kvlab.checks import check_block_allocator, check_paged_gather, check_paged_generate
+from kvlab.course.checks import check_block_allocator, check_paged_gather, check_paged_generate
 from kvlab.paged import BlockAllocator, OutOfBlocks, paged_gather
 
 from conftest import expect_rejected

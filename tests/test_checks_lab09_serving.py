@@ -4,7 +4,7 @@ handed in is told to write its own."""
 
 import pytest
 
-from kvlab.checks import check_prefix_cache, check_scheduler
+from kvlab.course.checks import check_prefix_cache, check_scheduler
 from kvlab.paged import OutOfBlocks
 from kvlab.serving import Batch, BlockManager, Scheduler, Status
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kvlab.cache import EMPTY, Cache
-from kvlab.checks import check_gqa_conversion, check_sink_window_cache, check_window_prediction
+from kvlab.course.checks import check_gqa_conversion, check_sink_window_cache, check_window_prediction
 from kvlab.window import SinkWindowCache
 
 from conftest import expect_rejected

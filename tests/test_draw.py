@@ -5,7 +5,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvlab import batching, draw, gpt2, quant
+from kvlab import batching, draw, draw_engine, gpt2, quant
+from kvlab.configs import kv_dims
 from kvlab.paged import BlockAllocator
 
 
@@ -25,7 +26,7 @@ def test_cache_growth_and_query_from_a_real_dynamic_cache(tiny):
     steps = draw.record_steps(model, ids, 3)
     assert [s["after"] for s in steps] == [ids.shape[1] + i for i in range(4)]
     assert [len(s["tokens"]) for s in steps] == [ids.shape[1], 1, 1, 1]
-    H, D = model.config.n_head, model.config.n_embd // model.config.n_head
+    H, D = model.config.n_head, kv_dims(model.config)[2]
     assert steps[-1]["keys"].shape == (H, ids.shape[1] + 3, D) and steps[-1]["q"].shape == (H, D)
     d = _is_drawing(draw.cache_growth(steps, tok))
     assert f"{len(steps)} forward calls over {ids.shape[1] + 3} positions" in d.alt
@@ -65,44 +66,44 @@ def test_generic_diagrams_for_chapters_7_to_9():
     d = _is_drawing(draw.roofline(1e12, 1e11, {"decode": (1.0, 5e10), "prefill": (50.0, 8e11)}, "a test device"))
     assert "ridge" in d.caption.lower() or "10 FLOPs per byte" in d.alt
     assert "decode at 1 FLOP/byte, 50 GFLOP/s (memory-bound)" in d.alt and "(compute-bound)" in d.alt
-    d = _is_drawing(draw.static_buffer(16, 5))
+    d = _is_drawing(draw_engine.static_buffer(16, 5))
     assert "5 are filled" in d.alt and "11 slots" in d.alt
     a = BlockAllocator(6, 4)
     a.allocate("a", 6)
     a.fork("a", "b")
-    d = _is_drawing(draw.block_tables(a, ["a", "b"]))
+    d = _is_drawing(draw_engine.block_tables(a, ["a", "b"]))
     assert "a -> [0, 1]; b -> [0, 1]" in d.alt and "[0, 1] are shared" in d.alt
     a.append_slot("b")                                                  # copy on write of block 1
-    assert "b -> [0, 2]" in _is_drawing(draw.block_tables(a, ["a", "b"])).alt
+    assert "b -> [0, 2]" in _is_drawing(draw_engine.block_tables(a, ["a", "b"])).alt
 
 
 def test_block_tables_of_the_serving_engine_with_copy_on_write_and_prefix_cache():
-    from kvlab.checks._fake import FakeLM
+    from kvlab.course.checks._fake import FakeLM
     from kvlab.serving import Engine
     eng = Engine(FakeLM(vocab=97), num_blocks=12, block_size=4, max_num_batched_tokens=64)
     prefix = eng.add_prefix(list(range(1, 7)))                          # 6 tokens: block 0 full, block 1 half
     a, b = (eng.submit(list(range(1, 7)) + [20 + i, 30 + i], 3) for i in range(2))
     assert eng.step() and eng.trace.steps[-1]["copy_pairs"] == [(1, 2), (1, 3)]   # each copies the half block
-    d = _is_drawing(draw.block_tables(eng.blocks, [prefix, a, b], copies=eng.trace.steps[-1]["copy_pairs"]))
+    d = _is_drawing(draw_engine.block_tables(eng.blocks, [prefix, a, b], copies=eng.trace.steps[-1]["copy_pairs"]))
     assert "prefix 0: 6 tok -> [0, 1]" in d.alt and "request 0: 8 tok -> [0, 2]" in d.alt and "request 1: 8 tok -> [0, 3]" in d.alt
     assert "Blocks [0] are shared" in d.alt and "block 1 copied to 2, block 1 copied to 3" in d.alt
     assert "0*\nrc 3" in [t.get_text() for t in d.figure.axes[0].texts]        # registered in the prefix cache
     eng.run()
-    d = _is_drawing(draw.block_tables(eng.blocks, [prefix]))
+    d = _is_drawing(draw_engine.block_tables(eng.blocks, [prefix]))
     cached = sorted(eng.blocks.cached)
     assert cached and f"Blocks {cached} have no holder but stay in the prefix cache" in d.alt
     assert "No block is shared" in d.alt and "Copy-on-write" not in d.alt
 
 
 def test_timeline_of_a_served_engine():
-    from kvlab.checks._fake import FakeLM
+    from kvlab.course.checks._fake import FakeLM
     from kvlab.serving import Engine
     eng = Engine(FakeLM(vocab=97), num_blocks=6, block_size=4, max_num_batched_tokens=8, max_num_seqs=4)
     for i in range(5):
         eng.submit([3 + i] * (4 + i), 6)                              # all at 0: the same schedule every run
     eng.run()
     times = eng.trace.token_times
-    d = _is_drawing(draw.timeline(eng, title="a test run"))
+    d = _is_drawing(draw_engine.timeline(eng, title="a test run"))
     ttft = sorted(times[s.rid][0] - s.arrival for s in eng.seqs.values())
     assert d.alt.startswith("Timeline of 5 requests over") and f"longest {ttft[-1]:.3g} s" in d.alt
     pre = sum(1 for s in eng.seqs.values() if s.preemptions)
@@ -115,5 +116,5 @@ def test_timeline_of_requests():
     class R:
         def __init__(self, rid, s, f, e):
             self.rid, self.submitted, self.first_token, self.finished = rid, s, f, e
-    d = _is_drawing(draw.timeline([R(0, 0.0, 0.1, 1.0), R(1, 0.0, 0.3, 1.5), R(2, 0.5, 0.6, 2.0)]))
+    d = _is_drawing(draw_engine.timeline([R(0, 0.0, 0.1, 1.0), R(1, 0.0, 0.3, 1.5), R(2, 0.5, 0.6, 2.0)]))
     assert "3 requests over 2 s" in d.alt and "median time to first token 0.1 s" in d.alt

@@ -6,7 +6,7 @@ cache of chapter 3 (concat, preallocated, a window wider than the text, paged me
 eager and compiled (8), the paged cache inside the serving engine (9), and each batched generator on a
 left-padded batch (6). Edges: a 1-token prompt, a cache filled to exactly max_len (and the whole
 context), a prompt that ends exactly on a block boundary, a sequence that crosses one during decode.
-Quantized caches are held to their stated tolerance (``kvlab.quant.TOLERANCE``). Every cache kind is
+Quantized caches are held to their stated tolerance (``kvlab.quant_cache.TOLERANCE``). Every cache kind is
 rewound: generate, rewind, regenerate, same tokens.
 """
 
@@ -15,13 +15,14 @@ import torch
 
 from kvlab.batching import batched_generate, generate_padded, make_batch, one_by_one
 from kvlab.cache import ConcatCache, PreallocatedCache, SlidingWindowCache
-from kvlab.generate import cached_generate, hf_greedy, naive_generate
+from kvlab.reference import cached_generate, hf_greedy, naive_generate
 from kvlab.gpt2 import GPT2, generate, generate_uncached
 from kvlab.harness import rewind_and_regenerate
-from kvlab.paged import PagedCache, PagedKVCache, ragged_forward
-from kvlab.quant import TOLERANCE, AbsmaxFakeInt8Cache, QuantizedCache, compare, score_through_cache
+from kvlab.paged_cache import PagedCache, PagedKVCache, ragged_forward
+from kvlab.quant_cache import TOLERANCE, AbsmaxFakeInt8Cache, QuantizedCache
+from kvlab.quantbench import compare, score_through_cache
 from kvlab.serving import Engine
-from kvlab.servingbench import reference_tokens
+from kvlab.serving.reference import reference_tokens
 from kvlab.static import StaticCache, StaticDecoder
 
 N = 14   # new tokens per prompt
@@ -161,7 +162,7 @@ def test_left_padded_batches(setup):
 @pytest.mark.parametrize("bits", sorted(TOLERANCE))
 def test_quantized_caches_within_their_stated_tolerance(setup, bits):
     """Teacher-forced through a quantized cache against the full-precision one: top-1 agreement and KL
-    within ``kvlab.quant.TOLERANCE[bits]``; a residual window as long as the text is exact."""
+    within ``kvlab.quant_cache.TOLERANCE[bits]``; a residual window as long as the text is exact."""
     hf, tok, ours = setup
     ids = tok(" ".join(TEXTS * 4), return_tensors="pt").input_ids[:, :160]
     sizes = _sizes(ours, 1, ids.shape[1])

@@ -5,7 +5,7 @@ import torch
 from transformers import DynamicCache, GPT2Config as HFConfig, GPT2LMHeadModel
 
 from kvlab.cache import ConcatCache, PreallocatedCache, SlidingWindowCache
-from kvlab.generate import hf_greedy
+from kvlab.reference import hf_greedy
 from kvlab.gpt2 import GPT2, attention, generate, generate_uncached, sdpa_attention
 
 TOL = 1e-4   # fp32 logits, ours vs transformers (measured: ~1e-5 on kvlab-tiny)

@@ -1,5 +1,5 @@
 """A learner's labs: nothing overwrites them, the in-sync check tells them from a stale lab, `make grade`
-scores them (kvlab.grade), and the instructors' release (kvlab.release) is what nbgrader makes.
+scores them (kvlab.course.grade), and the instructors' release (kvlab.course.release) is what nbgrader makes.
 
 Everything runs on temporary copies of the repository's solutions/, labs/ and _config.yml."""
 
@@ -15,8 +15,8 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from kvlab import grade, labs, release
-from kvlab.models import REPO_ROOT
+from kvlab.course import grade, labs, release
+from kvlab.paths import REPO_ROOT
 
 NBGRADER = "nbgrader==0.9.6"
 LAB1, LAB2 = "lab01_naive_generation.ipynb", "lab02_cached_generation.ipynb"
@@ -65,7 +65,7 @@ def set_cell(root: Path, folder: str, name: str, index: int, text: str):
     edit(root / folder / name, change)
 
 
-# --- python -m kvlab.labs: a learner's cells are never overwritten -------------------------------------
+# --- python -m kvlab.course.labs: a learner's cells are never overwritten -------------------------------------
 
 def test_regenerating_refuses_a_learners_lab_and_overwrite_keeps_a_backup(tmp_path):
     root = copy_repo(tmp_path)
@@ -75,7 +75,7 @@ def test_regenerating_refuses_a_learners_lab_and_overwrite_keeps_a_backup(tmp_pa
         set_cell(root, "solutions", name, 0, "# Changed by a maintainer\n")
     before = {n: (root / "labs" / n).read_bytes() for n in (LAB1, LAB2)}
 
-    r = run("kvlab.labs", "--root", root)
+    r = run("kvlab.course.labs", "--root", root)
     assert r.returncode == 1, r.stdout + r.stderr
     assert f"labs/{LAB1}: cell 3 (exercise naive_generate), cell 8 (exercise sample_generate)" in r.stderr
     assert f"labs/{LAB2}: cell 5 (prompt = 'my own prompt')" in r.stderr
@@ -83,13 +83,13 @@ def test_regenerating_refuses_a_learners_lab_and_overwrite_keeps_a_backup(tmp_pa
     assert {n: (root / "labs" / n).read_bytes() for n in before} == before, "a learner's lab was changed"
     assert "wrote labs/lab04_memory_math.ipynb" in r.stdout, "a lab nobody touched is still regenerated"
 
-    r = run("kvlab.labs", "--root", root, "--overwrite")
+    r = run("kvlab.course.labs", "--root", root, "--overwrite")
     assert r.returncode == 0, r.stdout + r.stderr
     saved = re.findall(r"saved your version of (labs/\S+) to (labs/backup/\S+\.ipynb)", r.stdout)
     assert sorted(s[0] for s in saved) == [f"labs/{LAB1}", f"labs/{LAB2}"], r.stdout
     for lab, backup in saved:
         assert (root / backup).read_bytes() == before[Path(lab).name]
-    assert run("kvlab.labs", "--root", root, "--check").returncode == 0
+    assert run("kvlab.course.labs", "--root", root, "--check").returncode == 0
     assert json.loads((root / "labs" / LAB1).read_text())["cells"][0]["source"] == ["# Changed by a maintainer\n"]
 
 
@@ -100,26 +100,26 @@ def test_check_ignores_a_learners_cells_but_not_a_stale_lab(tmp_path):
     edit(root / "labs" / LAB1, lambda nb: nb["cells"].insert(6, nbformat.v4.new_code_cell("print('scratch')").copy()))
     edit(root / "labs" / LAB2, lambda nb: nb["cells"][1].update(execution_count=1, outputs=[
         {"output_type": "stream", "name": "stdout", "text": "ran\n"}]))
-    r = run("kvlab.labs", "--root", root, "--check")
+    r = run("kvlab.course.labs", "--root", root, "--check")
     assert r.returncode == 0, "a completed lab is not out of date:\n" + r.stdout + r.stderr
 
     set_cell(root, "solutions", LAB1, 4, "Try it on a prompt of your own (changed), then run the grader.")
     set_cell(root, "solutions", LAB2, 3, labs.cell_source(json.loads((root / "solutions" / LAB2).read_text())["cells"][3])
              .replace("# BEGIN SOLUTION", "# a new hint\n    # BEGIN SOLUTION"))
-    r = run("kvlab.labs", "--root", root, "--check")
+    r = run("kvlab.course.labs", "--root", root, "--check")
     assert r.returncode == 1
     assert f"labs/{LAB1}: cell 4 (Try it on a prompt of your own, then run...) differs from solutions/" in r.stdout
     assert f"labs/{LAB2}: cell 3 (exercise cached_generate) differs from solutions/" in r.stdout   # untouched stub
 
     fill_with_solution(root, LAB2)   # the learner now works in that exercise: the change is still reported
-    r = run("kvlab.labs", "--root", root, "--check")
+    r = run("kvlab.course.labs", "--root", root, "--check")
     assert "cell 3 (exercise cached_generate) was changed in solutions/ after you began it" in r.stdout, r.stdout
 
 
 @pytest.mark.parametrize("path", sorted((REPO_ROOT / "labs").glob("lab*.ipynb")), ids=lambda p: p.name)
 def test_the_repositorys_labs_hold_no_hand_edits(path):
     """The in-sync check lets a learner's cells through; in the book's own repository there must be
-    none: a lab edited by hand (not through solutions/ and `python -m kvlab.labs`) fails here."""
+    none: a lab edited by hand (not through solutions/ and `python -m kvlab.course.labs`) fails here."""
     lab = json.loads(path.read_text())
     mine = labs.learner_cells(lab)
     assert not mine, f"{path.name}: edited by hand: " + ", ".join(labs.describe(lab, k) for k in mine)
@@ -141,12 +141,12 @@ def test_the_record_tells_stubs_from_a_learners_code():
 # --- make grade ---------------------------------------------------------------------------------------
 
 def test_a_fresh_checkout_has_nothing_to_grade():
-    r = run("kvlab.grade")
+    r = run("kvlab.course.grade")
     assert r.returncode == 0, r.stdout + r.stderr
     n = len(list((REPO_ROOT / "labs").glob("lab*.ipynb")))
     assert f"0 of {n} started" in r.stdout and "running nbval" not in r.stdout
     assert len(re.findall(r"^lab\d\d\w*\s+not started\s+-$", r.stdout, re.M)) == n, r.stdout
-    assert run("kvlab.grade", "--which").stdout.strip() == "mode=maintainer"
+    assert run("kvlab.course.grade", "--which").stdout.strip() == "mode=maintainer"
 
 
 def test_a_broken_notebook_is_in_progress_with_a_message(tmp_path):
@@ -159,7 +159,7 @@ def test_a_broken_notebook_is_in_progress_with_a_message(tmp_path):
 
 def test_make_grade_runs_the_grader_module():
     r = subprocess.run(["make", "-n", "grade", "LAB=07"], cwd=REPO_ROOT, capture_output=True, text=True)
-    assert "-m kvlab.grade --lab 07" in r.stdout, r.stdout + r.stderr
+    assert "-m kvlab.course.grade --lab 07" in r.stdout, r.stdout + r.stderr
 
 
 def _toy_solution(path: Path, exercises: int):
@@ -187,7 +187,7 @@ def test_the_scorecard_counts_a_mix_of_labs(tmp_path, monkeypatch):
     set_cell(tmp_path, "labs", "lab03_half.ipynb", 2, "def times_1(x):\n    return x")
     set_cell(tmp_path, "labs", "lab05_notes.ipynb", 0, "# my notes")   # not an exercise: still not started
     summary = tmp_path / "summary.md"
-    r = run("kvlab.grade", "--root", tmp_path, env={"GITHUB_STEP_SUMMARY": str(summary)})
+    r = run("kvlab.course.grade", "--root", tmp_path, env={"GITHUB_STEP_SUMMARY": str(summary)})
     assert r.returncode == 1, r.stdout + r.stderr
     out = r.stdout
     assert "3 of 5 started: 1 passed, 2 in progress" in out, out
@@ -202,10 +202,10 @@ def test_the_scorecard_counts_a_mix_of_labs(tmp_path, monkeypatch):
     assert "| lab02_wrong | in progress :x: |" in md and "`check_times (cell 5)`: AssertionError: times_2(3)" in md
     assert "**3 of 5 started: 1 passed, 2 in progress**" in md
 
-    r = run("kvlab.grade", "--root", tmp_path, "--lab", "1", "--require-pass")
+    r = run("kvlab.course.grade", "--root", tmp_path, "--lab", "1", "--require-pass")
     assert r.returncode == 0 and "1 of 1 started: 1 passed" in r.stdout, r.stdout + r.stderr
-    assert run("kvlab.grade", "--root", tmp_path, "--lab", "04", "--require-pass").returncode == 1
-    assert run("kvlab.grade", "--root", tmp_path, "--lab", "04").returncode == 0
+    assert run("kvlab.course.grade", "--root", tmp_path, "--lab", "04", "--require-pass").returncode == 1
+    assert run("kvlab.course.grade", "--root", tmp_path, "--lab", "04").returncode == 0
 
 
 def test_a_learners_real_labs_completed_and_wrong(tmp_path):
@@ -214,7 +214,7 @@ def test_a_learners_real_labs_completed_and_wrong(tmp_path):
     root = copy_repo(tmp_path)
     fill_with_solution(root, LAB1)
     set_cell(root, "labs", LAB2, 3, WRONG_CACHED)
-    r = run("kvlab.grade", "--root", root, env={"KVLAB_QUICK": "1"})
+    r = run("kvlab.course.grade", "--root", root, env={"KVLAB_QUICK": "1"})
     out = r.stdout
     assert r.returncode == 1, out + r.stderr
     assert re.search(r"^lab01_naive_generation\s+passed\s+\d+\s*$", out, re.M), out
@@ -222,9 +222,9 @@ def test_a_learners_real_labs_completed_and_wrong(tmp_path):
     assert re.search(r"check_cached_generate \(cell 6\): GraderFailure: .*use_cache=False", out), out
     assert f"2 of {len(list((root / 'labs').glob('lab*.ipynb')))} started: 1 passed, 1 in progress" in out
     assert (root / "_build" / "grade" / "lab02_cached_generation.log").exists()
-    assert run("kvlab.labs", "--root", root, "--check").returncode == 0
-    assert run("kvlab.grade", "--root", root, "--which").stdout.strip() == "mode=learner"
-    r = run("kvlab.grade", "--root", root, "--which", env={"GITHUB_REPOSITORY": "kvlab/kvlab"})
+    assert run("kvlab.course.labs", "--root", root, "--check").returncode == 0
+    assert run("kvlab.course.grade", "--root", root, "--which").stdout.strip() == "mode=learner"
+    r = run("kvlab.course.grade", "--root", root, "--which", env={"GITHUB_REPOSITORY": "kvlab/kvlab"})
     assert r.returncode == 1 and "a learner's work belongs in a fork" in r.stderr
 
 
@@ -283,8 +283,8 @@ def test_release_refuses_a_filled_lab(tmp_path):
 
 
 def test_grade_module_imports_only_the_standard_library():
-    """The first CI step runs `python3 -m kvlab.grade --which` before anything is installed."""
-    code = ("import sys; import kvlab.grade, kvlab.labs; "
+    """The first CI step runs `python3 -m kvlab.course.grade --which` before anything is installed."""
+    code = ("import sys; import kvlab.course.grade, kvlab.course.labs; "
             "bad = [m for m in ('torch', 'nbformat', 'yaml', 'pytest') if m in sys.modules]; print(bad)")
     r = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True)
     assert r.stdout.strip() == "[]", r.stdout + r.stderr

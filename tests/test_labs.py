@@ -9,8 +9,8 @@ import pytest
 from nbclient import NotebookClient
 from nbclient.exceptions import CellExecutionError
 
-from kvlab import labs
-from kvlab.models import REPO_ROOT
+from kvlab.course import labs
+from kvlab.paths import REPO_ROOT
 
 SOLUTIONS = sorted((REPO_ROOT / "solutions").glob("lab*.ipynb"))
 
@@ -21,7 +21,7 @@ def test_there_are_labs():
 
 
 def test_labs_in_sync_with_solutions():
-    r = subprocess.run([sys.executable, "-m", "kvlab.labs", "--check"], cwd=REPO_ROOT,
+    r = subprocess.run([sys.executable, "-m", "kvlab.course.labs", "--check"], cwd=REPO_ROOT,
                        capture_output=True, text=True)
     assert r.returncode == 0, r.stdout + r.stderr
 

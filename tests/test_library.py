@@ -8,26 +8,26 @@ import time
 import pytest
 import torch
 
-from kvlab import generate, models, timing
-from kvlab.models import REPO_ROOT
+from kvlab import flops, loading, provenance, reference, timing
+from kvlab.paths import REPO_ROOT
 
 
 # ---- models ---------------------------------------------------------------------------------------
 
 def test_unknown_name_is_a_clear_error():
-    with pytest.raises(models.ModelNotAvailable, match="unknown model name 'gtp2'.*kvlab-tiny"):
-        models.load("gtp2")
+    with pytest.raises(loading.ModelNotAvailable, match="unknown model name 'gtp2'.*kvlab-tiny"):
+        loading.load("gtp2")
     with pytest.raises(ValueError, match="non-empty"):
-        models.load("")
-    with pytest.raises(models.ModelNotAvailable, match="shape:gpt2-medium"):
-        models.load("shape:gpt3")
+        loading.load("")
+    with pytest.raises(loading.ModelNotAvailable, match="shape:gpt2-medium"):
+        loading.load("shape:gpt3")
 
 
 def test_gpt2_offline_fails_fast_and_names_kvlab_tiny(tmp_path):
     """Without a cached copy and without network, gpt2 fails in seconds with a pointed message."""
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_HOME=str(tmp_path), KVLAB_MODEL="")
     code = ("from kvlab import models\n"
-            "try:\n    models.load('gpt2')\nexcept models.ModelNotAvailable as e:\n    print('ERR', e)\n")
+            "try:\n    loading.load('gpt2')\nexcept loading.ModelNotAvailable as e:\n    print('ERR', e)\n")
     start = time.perf_counter()  # wall-clock of a subprocess, not a benchmark
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     elapsed = time.perf_counter() - start
@@ -38,25 +38,25 @@ def test_gpt2_offline_fails_fast_and_names_kvlab_tiny(tmp_path):
 
 def test_default_chooser(monkeypatch, capsys):
     monkeypatch.setenv("KVLAB_MODEL", "shape:gpt2")
-    assert models.default_model_name() == "shape:gpt2"
+    assert loading.default_model_name() == "shape:gpt2"
     assert "KVLAB_MODEL is set" in capsys.readouterr().out
     monkeypatch.setenv("KVLAB_MODEL", "")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setattr(models, "gpt2_loadable", lambda: (False, "no gpt2 here"))
-    assert models.default_model_name() == "kvlab-tiny"
+    monkeypatch.setattr(loading, "gpt2_loadable", lambda: (False, "no gpt2 here"))
+    assert loading.default_model_name() == "kvlab-tiny"
     assert "no gpt2 here" in capsys.readouterr().out
-    monkeypatch.setattr(models, "gpt2_loadable", lambda: (True, "cached"))
-    assert models.default_model_name() == "gpt2"
+    monkeypatch.setattr(loading, "gpt2_loadable", lambda: (True, "cached"))
+    assert loading.default_model_name() == "gpt2"
 
 
 def test_shape_only_models_are_marked():
-    model, tok = models.load("shape:gpt2")
+    model, tok = loading.load("shape:gpt2")
     assert tok is None and model.kvlab_kind == "shape-only"
     cfg = model.config
     assert (cfg.n_layer, cfg.n_head, cfg.n_embd, cfg.n_positions, cfg.vocab_size) == (12, 12, 768, 1024, 50257)
-    assert "RANDOM WEIGHTS" in models.describe(model)
+    assert "RANDOM WEIGHTS" in provenance.describe(model)
     assert sum(p.numel() for p in model.parameters()) == 124_439_808  # GPT-2 small, tied embeddings
-    again, _ = models.load("shape:gpt2")
+    again, _ = loading.load("shape:gpt2")
     assert torch.equal(model.lm_head.weight, again.lm_head.weight), "shape-only weights must be seeded"
 
 
@@ -74,21 +74,21 @@ def test_local_checkpoint_folder(tmp_path, tiny):
     model, tok = tiny
     model.save_pretrained(tmp_path)
     tok.save_pretrained(tmp_path)
-    again, tok2 = models.load(str(tmp_path))
+    again, tok2 = loading.load(str(tmp_path))
     assert again.kvlab_kind == "real" and tok2.vocab_size == tok.vocab_size
     ids = tok("In the beginning", return_tensors="pt").input_ids
-    assert torch.equal(generate.naive_generate(again, ids, 8), generate.naive_generate(model, ids, 8))
+    assert torch.equal(reference.naive_generate(again, ids, 8), reference.naive_generate(model, ids, 8))
     empty = tmp_path / "empty"
     empty.mkdir()
-    with pytest.raises(models.ModelNotAvailable, match="config.json"):
-        models.load(str(empty))
+    with pytest.raises(loading.ModelNotAvailable, match="config.json"):
+        loading.load(str(empty))
 
 
 def test_banner_names_device_model_versions(tiny, capsys):
     model, _ = tiny
-    text = models.banner(model, "cpu")
+    text = provenance.banner(model, "cpu")
     assert "CPU" in text and "kvlab-tiny" in text and "tiny" in text and torch.__version__ in text
-    assert "transformers" in models.stamp(model)
+    assert "transformers" in provenance.stamp(model)
 
 
 # ---- generators -----------------------------------------------------------------------------------
@@ -97,12 +97,12 @@ def test_naive_cached_and_transformers_agree(tiny):
     model, tok = tiny
     for text in ["And", "Thou shalt love thy neighbour as thyself", "Then said Jesus unto his disciples,"]:
         ids = tok(text, return_tensors="pt").input_ids
-        a = generate.naive_generate(model, ids, 25)
-        b = generate.cached_generate(model, ids, 25)
-        c = generate.hf_greedy(model, ids, 25, use_cache=False)
+        a = reference.naive_generate(model, ids, 25)
+        b = reference.cached_generate(model, ids, 25)
+        c = reference.hf_greedy(model, ids, 25, use_cache=False)
         assert a.shape == (1, ids.shape[1] + 25)
         assert torch.equal(a, b) and torch.equal(a, c)
-    assert torch.equal(generate.cached_generate(model, ids, 0), ids)
+    assert torch.equal(reference.cached_generate(model, ids, 0), ids)
 
 
 @pytest.mark.parametrize("bad, match", [
@@ -112,7 +112,7 @@ def test_naive_cached_and_transformers_agree(tiny):
 ])
 def test_bad_prompts_are_clear_errors(tiny, bad, match):
     model, _ = tiny
-    for fn in (generate.naive_generate, generate.cached_generate):
+    for fn in (reference.naive_generate, reference.cached_generate):
         with pytest.raises(ValueError, match=match):
             fn(model, bad, 3)
 
@@ -122,24 +122,24 @@ def test_context_overflow_is_an_error_not_a_truncation(tiny):
     n = model.config.n_positions
     ids = torch.zeros(1, n - 2, dtype=torch.long)
     with pytest.raises(ValueError, match=f"exceeds the model's context of {n}"):
-        generate.naive_generate(model, ids, 3)
-    assert generate.cached_generate(model, ids, 2).shape[1] == n  # exactly full is fine
+        reference.naive_generate(model, ids, 3)
+    assert reference.cached_generate(model, ids, 2).shape[1] == n  # exactly full is fine
 
 
 def test_work_counts():
-    assert generate.positions_processed_naive(10, 4) == 10 + 11 + 12 + 13
-    assert generate.positions_processed_cached(10, 4) == 13
-    assert generate.positions_processed_cached(10, 0) == 0
+    assert flops.positions_processed_naive(10, 4) == 10 + 11 + 12 + 13
+    assert flops.positions_processed_cached(10, 4) == 13
+    assert flops.positions_processed_cached(10, 0) == 0
 
 
 def test_forward_flops_matches_hand_count():
     from transformers import GPT2Config
     cfg = GPT2Config(n_layer=2, n_embd=8, n_head=2, vocab_size=10)
     # one position, nothing cached: per layer 24*64 + 4*1*1*8; head 2*8*10
-    assert generate.forward_flops(cfg, 1, 0) == 2 * (24 * 64 + 32) + 160
+    assert flops.forward_flops(cfg, 1, 0) == 2 * (24 * 64 + 32) + 160
     # naive step over t positions costs more than t cached steps (the t^2 attention term)
     t = 50
-    assert generate.forward_flops(cfg, t, 0) > generate.forward_flops(cfg, 1, t - 1)
+    assert flops.forward_flops(cfg, t, 0) > flops.forward_flops(cfg, 1, t - 1)
 
 
 # ---- timing ---------------------------------------------------------------------------------------

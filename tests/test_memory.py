@@ -6,9 +6,9 @@ import pytest
 import torch
 from transformers import (DynamicCache, FalconConfig, Gemma2Config, GPT2Config, LlamaConfig, StaticCache)
 
-from kvlab import calculator, measure, memory
+from kvlab import calculator, catalogue, configs, footprint, memory
 from kvlab.cache import PreallocatedCache
-from kvlab.models import CONFIG_DIR
+from kvlab.paths import CONFIG_DIR
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 TINY = dict(vocab_size=64, intermediate_size=48)
@@ -28,15 +28,15 @@ TINY_CONFIGS = {
 # --- reading configs ----------------------------------------------------------------------------------
 
 def test_kv_dims_all_naming_schemes():
-    assert memory.kv_dims(GPT2Config()) == (12, 12, 64)
-    assert memory.kv_dims(json.loads((CONFIG_DIR / "gpt2-xl.json").read_text())) == (48, 25, 64)
-    assert memory.kv_dims({"n_layer": 2, "n_head": 4, "n_embd": 32}) == (2, 4, 8)
-    assert memory.kv_dims(TINY_CONFIGS["llama-gqa"]) == (3, 2, 8)
-    assert memory.kv_dims(TINY_CONFIGS["llama-mqa"]) == (2, 1, 8)
-    assert memory.kv_dims(TINY_CONFIGS["llama-head_dim"]) == (2, 2, 24)    # explicit head_dim wins
-    assert memory.kv_dims({"num_hidden_layers": 2, "num_attention_heads": 4, "hidden_size": 32,
+    assert configs.kv_dims(GPT2Config()) == (12, 12, 64)
+    assert configs.kv_dims(json.loads((CONFIG_DIR / "gpt2-xl.json").read_text())) == (48, 25, 64)
+    assert configs.kv_dims({"n_layer": 2, "n_head": 4, "n_embd": 32}) == (2, 4, 8)
+    assert configs.kv_dims(TINY_CONFIGS["llama-gqa"]) == (3, 2, 8)
+    assert configs.kv_dims(TINY_CONFIGS["llama-mqa"]) == (2, 1, 8)
+    assert configs.kv_dims(TINY_CONFIGS["llama-head_dim"]) == (2, 2, 24)    # explicit head_dim wins
+    assert configs.kv_dims({"num_hidden_layers": 2, "num_attention_heads": 4, "hidden_size": 32,
                            "head_dim": None}) == (2, 4, 8)                  # None means "derive it"
-    assert memory.kv_dims(TINY_CONFIGS["falcon-mqa"]) == (2, 1, 8)          # multi_query -> one K/V head
+    assert configs.kv_dims(TINY_CONFIGS["falcon-mqa"]) == (2, 1, 8)          # multi_query -> one K/V head
 
 
 @pytest.mark.parametrize("bad, words", [
@@ -48,17 +48,17 @@ def test_kv_dims_all_naming_schemes():
 ])
 def test_kv_dims_errors(bad, words):
     with pytest.raises(ValueError, match=words):
-        memory.kv_dims(bad)
+        configs.kv_dims(bad)
 
 
 def test_bytes_per_element():
-    assert [memory.bytes_per_element(d) for d in DTYPES] == [4, 2, 2]
-    assert memory.bytes_per_element(torch.int8) == memory.bytes_per_element(torch.uint8) == 1
-    assert memory.bytes_per_element(torch.float8_e4m3fn) == memory.bytes_per_element(torch.float8_e5m2) == 1
-    assert memory.bytes_per_element("bf16") == 2 and memory.bytes_per_element("fp32") == 4
+    assert [configs.bytes_per_element(d) for d in DTYPES] == [4, 2, 2]
+    assert configs.bytes_per_element(torch.int8) == configs.bytes_per_element(torch.uint8) == 1
+    assert configs.bytes_per_element(torch.float8_e4m3fn) == configs.bytes_per_element(torch.float8_e5m2) == 1
+    assert configs.bytes_per_element("bf16") == 2 and configs.bytes_per_element("fp32") == 4
     for bad in ("int4", "float17", 2, None, torch.bool, torch.complex64, torch.int4, torch.uint4):
         with pytest.raises(ValueError):
-            memory.bytes_per_element(bad)
+            configs.bytes_per_element(bad)
 
 
 def test_formula_values_and_errors():
@@ -96,15 +96,15 @@ def test_max_batch_size_boundaries():
 def test_formula_equals_dynamic_cache(name, dtype):
     cfg = TINY_CONFIGS[name]
     for seq_len, batch in [(1, 1), (6, 3)]:
-        assert measure.measure_config(cfg, seq_len, batch, dtype) == memory.kv_cache_bytes(cfg, seq_len, batch, dtype)
+        assert footprint.measure_config(cfg, seq_len, batch, dtype) == memory.kv_cache_bytes(cfg, seq_len, batch, dtype)
 
 
 def test_formula_equals_dynamic_cache_on_bundled_model(tiny):
     model, _ = tiny
-    cache = measure.fill_dynamic_cache(model, 40, 2, decode_steps=3)
-    assert measure.measured_cache_bytes(cache) == memory.kv_cache_bytes(model.config, 40, 2, torch.float32)
+    cache = footprint.fill_dynamic_cache(model, 40, 2, decode_steps=3)
+    assert footprint.measured_cache_bytes(cache) == memory.kv_cache_bytes(model.config, 40, 2, torch.float32)
     # what the layers hold, tensor by tensor, is [batch, heads, seq, head_dim]
-    n_layer, n_kv, head_dim = memory.kv_dims(model.config)
+    n_layer, n_kv, head_dim = configs.kv_dims(model.config)
     assert len(cache.layers) == n_layer
     assert list(cache.layers[0].keys.shape) == [2, n_kv, 40, head_dim]
 
@@ -115,7 +115,7 @@ def test_static_cache_holds_max_len(tiny):
     with torch.no_grad():
         model(torch.ones(2, 5, dtype=torch.long), cache=cache, use_cache=True)
     # preallocated: the bytes of max_cache_len tokens, however few are written
-    assert measure.measured_cache_bytes(cache) == memory.kv_cache_bytes(model.config, 32, 2, torch.float32)
+    assert footprint.measured_cache_bytes(cache) == memory.kv_cache_bytes(model.config, 32, 2, torch.float32)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -130,20 +130,20 @@ def test_formula_equals_preallocated_cache(tiny, dtype):
         model(torch.ones(3, 1, dtype=torch.long), cache=cache)
     want = memory.kv_cache_bytes(hf.config, 24, 3, dtype)
     assert cache.seq_len == 11
-    assert measure.measured_cache_bytes(cache) == cache.nbytes == want
+    assert footprint.measured_cache_bytes(cache) == cache.nbytes == want
     # a cache built directly from the formula's factors agrees too
-    n_layer, n_kv, head_dim = memory.kv_dims(hf.config)
+    n_layer, n_kv, head_dim = configs.kv_dims(hf.config)
     direct = PreallocatedCache(n_layer, 2, n_kv, head_dim, 7, dtype=dtype)
-    assert measure.measured_cache_bytes(direct) == memory.kv_cache_bytes(hf.config, 7, 2, dtype)
+    assert footprint.measured_cache_bytes(direct) == memory.kv_cache_bytes(hf.config, 7, 2, dtype)
 
 
 def test_measured_counts_storage_once():
     t = torch.zeros(4, 8)
-    assert measure.measured_cache_bytes([t, t[:2], t.view(-1)]) == t.nbytes
+    assert footprint.measured_cache_bytes([t, t[:2], t.view(-1)]) == t.nbytes
     with pytest.raises(ValueError):
-        measure.measured_cache_bytes(object())
+        footprint.measured_cache_bytes(object())
     empty = DynamicCache(config=TINY_CONFIGS["gpt2"])
-    assert measure.measured_cache_bytes(empty) == 0
+    assert footprint.measured_cache_bytes(empty) == 0
 
 
 # --- weights and the open-models data ----------------------------------------------------------------
@@ -158,24 +158,24 @@ def test_weights_bytes(tiny):
 
 
 def test_open_models_json():
-    models = calculator.load_open_models()
+    models = catalogue.load_open_models()
     assert len(models) >= 5
     for name, m in models.items():
         assert "config.json" in m["source"] and m["hf_repo"] in m["source"], name
-        n_layer, n_kv, head_dim = memory.kv_dims(m)
+        n_layer, n_kv, head_dim = configs.kv_dims(m)
         assert m["attention"] == ("MHA" if n_kv == m["num_attention_heads"] else "MQA" if n_kv == 1 else "GQA")
         assert m["parameters"] > 1e9
-    assert memory.kv_dims(models["Gemma-2-9B"])[2] == 256 != 3584 // 16
-    assert memory.kv_dims(models["Falcon-7B"]) == (32, 1, 64)
-    assert memory.kv_dims(models["Llama-3.1-8B"]) == (32, 8, 128)
-    gpt2 = calculator.gpt2_models()
-    assert [memory.kv_dims(m) for m in gpt2.values()] == [(12, 12, 64), (24, 16, 64), (36, 20, 64), (48, 25, 64)]
+    assert configs.kv_dims(models["Gemma-2-9B"])[2] == 256 != 3584 // 16
+    assert configs.kv_dims(models["Falcon-7B"]) == (32, 1, 64)
+    assert configs.kv_dims(models["Llama-3.1-8B"]) == (32, 8, 128)
+    gpt2 = catalogue.gpt2_models()
+    assert [configs.kv_dims(m) for m in gpt2.values()] == [(12, 12, 64), (24, 16, 64), (36, 20, 64), (48, 25, 64)]
     assert all("config.json" in m["source"] for m in gpt2.values())
 
 
 def test_open_models_parameter_counts_match_their_configs():
     """The stored parameter counts are what transformers builds from the stored config fields."""
-    for name, m in calculator.load_open_models().items():
+    for name, m in catalogue.load_open_models().items():
         fields = {k: v for k, v in m.items()
                   if k not in ("name", "hf_repo", "parameters", "source", "note", "attention", "context")}
         if m["model_type"] == "falcon":
@@ -186,7 +186,7 @@ def test_open_models_parameter_counts_match_their_configs():
 # --- the calculator -------------------------------------------------------------------------------------
 
 def test_calculator_numbers():
-    models = calculator.all_models()
+    models = catalogue.all_models()
     r = calculator.calculator(models["Llama-3.1-8B"], 8192, 4, torch.float16)
     assert r["cache_bytes"] == 2 * 32 * 8 * 128 * 8192 * 4 * 2
     assert r["weights_bytes"] == 2 * 8_030_261_248
@@ -207,7 +207,7 @@ def test_calculator_widget_updates():
     import matplotlib
 
     matplotlib.use("Agg")
-    models = calculator.all_models()
+    models = catalogue.all_models()
     box = calculator.calculator_widget(models, default="gpt2")
     dropdown = box.children[0].children[0]
     assert dropdown.value == "gpt2"

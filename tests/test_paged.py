@@ -7,7 +7,8 @@ import torch
 
 from kvlab.cache import PreallocatedCache
 from kvlab.gpt2 import GPT2, generate
-from kvlab.paged import BlockAllocator, OutOfBlocks, PagedCache, PagedKVCache, batched_gather, paged_gather
+from kvlab.paged import BlockAllocator, OutOfBlocks, batched_gather, paged_gather
+from kvlab.paged_cache import PagedCache, PagedKVCache
 
 
 def _invariants(a: BlockAllocator, live: dict):

@@ -6,7 +6,7 @@ from urllib.parse import urlparse
 
 import yaml
 
-from kvlab.models import REPO_ROOT
+from kvlab.paths import REPO_ROOT
 
 CONFIG = yaml.safe_load((REPO_ROOT / "_config.yml").read_text())
 

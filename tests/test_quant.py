@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from kvlab import measure, memory, quant
+from kvlab import footprint, memory, quant, quant_cache
 
 CFG = dict(n_layer=3, n_head=2, n_embd=64, n_positions=256)   # head_dim 32
 
@@ -74,7 +74,7 @@ def test_groups_are_finer_than_whole_token():
 @pytest.mark.parametrize("bits", [2, 4, 8])
 def test_nbytes_against_formula(bits):
     B, T, block = 2, 96, 32
-    c = quant.QuantizedCache.from_config(type("C", (), CFG)(), B, 128, bits=bits, block=block)
+    c = quant_cache.QuantizedCache.from_config(type("C", (), CFG)(), B, 128, bits=bits, block=block)
     fill(c, [T])
     L, H, D = CFG["n_layer"], CFG["n_head"], CFG["n_embd"] // CFG["n_head"]
     fp32 = memory.kv_cache_bytes(CFG, T, B, torch.float32)
@@ -83,21 +83,21 @@ def test_nbytes_against_formula(bits):
     value_meta = 2 * L * B * H * T * 4                          # scale + zero point per token
     assert c.nbytes_breakdown() == {"codes": codes, "scales+zero points": key_meta + value_meta,
                                     "full-precision window": 0}
-    assert c.nbytes == codes + key_meta + value_meta == measure.measured_cache_bytes(c)
+    assert c.nbytes == codes + key_meta + value_meta == footprint.measured_cache_bytes(c)
     assert c.nbytes < fp32 * (bits / 32 + 0.2)
 
 
 def test_article_a_cache_saves_nothing():
-    c = quant.AbsmaxFakeInt8Cache.from_config(type("C", (), CFG)(), 2, 128)
+    c = quant_cache.AbsmaxFakeInt8Cache.from_config(type("C", (), CFG)(), 2, 128)
     fill(c, [40, 1, 1])
     fp32 = memory.kv_cache_bytes(CFG, 42, 2, torch.float32)
-    assert c.nbytes == measure.measured_cache_bytes(c) == fp32 + 3 * 2 * CFG["n_layer"] * 4   # + one scale each
+    assert c.nbytes == footprint.measured_cache_bytes(c) == fp32 + 3 * 2 * CFG["n_layer"] * 4   # + one scale each
 
 
 @pytest.mark.parametrize("residual", [0, 8, 40])
 def test_residual_window_exact_and_blocks_within_half_step(residual):
     block, bits = 16, 2
-    c = quant.QuantizedCache(3, 2, 2, 32, 256, bits=bits, residual=residual, block=block)
+    c = quant_cache.QuantizedCache(3, 2, 2, 32, 256, bits=bits, residual=residual, block=block)
     ks, vs, _ = fill(c, [37, 1, 1, 1, 25, 1])
     assert c.seq_len == 66
     nq = c.quantized_len
@@ -113,11 +113,11 @@ def test_residual_window_exact_and_blocks_within_half_step(residual):
             kb, vb = ks[layer][..., s:s + block, :], vs[layer][..., s:s + block, :]
             assert torch.allclose(keys[..., s:s + block, :], quant.fake_quantize(kb, bits, -2), atol=1e-5)
             assert torch.allclose(values[..., s:s + block, :], quant.fake_quantize(vb, bits, -1), atol=1e-5)
-    assert c.nbytes == measure.measured_cache_bytes(c)
+    assert c.nbytes == footprint.measured_cache_bytes(c)
 
 
 def test_cache_contract():
-    c = quant.QuantizedCache(2, 1, 2, 32, 40, bits=4, block=8)
+    c = quant_cache.QuantizedCache(2, 1, 2, 32, 40, bits=4, block=8)
     k = torch.randn(1, 2, 30, 32)
     c.update(0, k, k)
     assert c.seq_len == 0                     # advances once the last layer has its tokens
@@ -130,13 +130,13 @@ def test_cache_contract():
     c.reset()
     assert c.seq_len == 0 and c.nbytes == 0
     with pytest.raises(ValueError, match="multiple of 4"):
-        quant.QuantizedCache(2, 1, 2, 30, 40, bits=2)
+        quant_cache.QuantizedCache(2, 1, 2, 30, 40, bits=2)
 
 
 def test_quantized_cache_generation_matches_full_precision(tiny):
     """8-bit KIVI cache on kvlab-tiny: greedy tokens mostly equal to the fp32 cache's; 2 bits still runs."""
     from kvlab.gpt2 import GPT2, generate
-    from kvlab.models import REPO_ROOT
+    from kvlab.paths import REPO_ROOT
 
     model, tok = tiny
     gpt = GPT2.from_hf(model)
@@ -145,7 +145,7 @@ def test_quantized_cache_generation_matches_full_precision(tiny):
     prompts = torch.stack([ids[s:s + 80] for s in (0, 1000, 3000)])     # batch of 3 held-out prompts
     N = 24
     full = generate(gpt, prompts, N)
-    cache = quant.QuantizedCache.from_config(gpt.config, 3, 80 + N, bits=8, block=32)
+    cache = quant_cache.QuantizedCache.from_config(gpt.config, 3, 80 + N, bits=8, block=32)
     q8 = generate(gpt, prompts, N, cache=cache)
     assert torch.equal(q8[:, :80], prompts)
     agree = (q8[:, 80:] == full[:, 80:]).float().mean().item()
@@ -153,7 +153,7 @@ def test_quantized_cache_generation_matches_full_precision(tiny):
     assert cache.nbytes < 0.5 * memory.kv_cache_bytes(model.config, 80 + N - 1, 3, torch.float32)
     again = generate(gpt, prompts, N, cache=cache)                       # generate resets the cache
     assert torch.equal(again, q8)
-    q2 = generate(gpt, prompts, N, cache=quant.QuantizedCache.from_config(gpt.config, 3, 80 + N, bits=2))
+    q2 = generate(gpt, prompts, N, cache=quant_cache.QuantizedCache.from_config(gpt.config, 3, 80 + N, bits=2))
     assert q2.shape == full.shape
 
 
@@ -167,8 +167,8 @@ def test_prefill_attends_to_exact_prompt_then_reads_the_stored_past(tiny, bits):
     gpt = GPT2.from_hf(model)
     ids = torch.randint(1, model.config.vocab_size, (2, 70), generator=torch.Generator().manual_seed(5))
     full = gpt.new_cache(2, 71)
-    caches = [quant.QuantizedCache.from_config(gpt.config, 2, 71, bits=bits, block=32),
-              quant.AbsmaxFakeInt8Cache.from_config(gpt.config, 2, 71)]
+    caches = [quant_cache.QuantizedCache.from_config(gpt.config, 2, 71, bits=bits, block=32),
+              quant_cache.AbsmaxFakeInt8Cache.from_config(gpt.config, 2, 71)]
     with torch.no_grad():
         ref_prefill = gpt(ids[:, :64], full)
         ref_next = gpt(ids[:, 64:65], full)

@@ -12,8 +12,8 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from kvlab import report, results
-from kvlab.models import REPO_ROOT
+from kvlab import machine, report, results
+from kvlab.paths import REPO_ROOT
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 SMOKE = """---
@@ -26,7 +26,7 @@ kernelspec:
 ```{code-cell} ipython3
 :tags: [hide-input]
 import os
-from kvlab import models
+from kvlab import loading
 ```
 
 Some text between the cells.
@@ -35,7 +35,7 @@ Some text between the cells.
 ---
 tags: [remove-input]
 ---
-assert str(models.pick_device()) == os.environ["KVLAB_DEVICE"]
+assert str(loading.pick_device()) == os.environ["KVLAB_DEVICE"]
 print("quick:", os.environ.get("KVLAB_QUICK"))
 ```
 """
@@ -163,7 +163,7 @@ def test_write_json_is_atomic(tmp_path):
 
 def test_commit_from_environment(monkeypatch):
     monkeypatch.setenv("KVLAB_COMMIT", "abc123")
-    assert report._git_commit() == {"commit": "abc123", "source": "KVLAB_COMMIT"}
+    assert machine._git_commit() == {"commit": "abc123", "source": "KVLAB_COMMIT"}
 
 
 def test_bad_arguments_are_clear():

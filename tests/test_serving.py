@@ -7,8 +7,8 @@ import torch
 
 from kvlab.gpt2 import GPT2
 from kvlab.paged import paged_gather
-from kvlab.servingbench import (References, poisson_arrivals, random_workload, reference_tokens, reserved_vs_used,
-                              run_floor, serve, step_floor, summarize)
+from kvlab.serving.reference import References, reference_tokens
+from kvlab.servingbench import (poisson_arrivals, random_workload, reserved_vs_used, run_floor, serve, step_floor, summarize)
 from kvlab.serving import Engine, Status
 
 

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from kvlab.checks._fake import FakeLM, fake_reference
+from kvlab.course.checks._fake import FakeLM, fake_reference
 from kvlab.paged import OutOfBlocks
 from kvlab.serving import BlockManager, Engine, Sequence, Status
 

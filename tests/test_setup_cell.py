@@ -16,11 +16,12 @@ import yaml
 from nbclient import NotebookClient
 from nbclient.exceptions import CellExecutionError
 
-from kvlab import __version__, labs
-from kvlab.models import REPO_ROOT
+from kvlab import __version__
+from kvlab.course import labs
+from kvlab.paths import REPO_ROOT
 
-sys.path.insert(0, str(REPO_ROOT / "kvlab"))
-import install  # noqa: E402  (kvlab/install.py runs as a script from a clone: standard library only)
+sys.path.insert(0, str(REPO_ROOT / "kvlab" / "course"))
+import install  # noqa: E402  (kvlab/course/install.py runs as a script from a clone: standard library only)
 
 LAB = REPO_ROOT / "labs" / "lab01_naive_generation.ipynb"
 
@@ -32,7 +33,7 @@ def test_every_lab_and_solution_carries_the_setup_block_from_config():
     assert f'"--release", "{__version__}"' in block
     for path in sorted(REPO_ROOT.glob("labs/lab*.ipynb")) + sorted(REPO_ROOT.glob("solutions/lab*.ipynb")):
         first = next(c for c in nbformat.read(path, as_version=4).cells if c.cell_type == "code")
-        assert first.source.startswith(block + "\n"), f"{path.name}: run `python -m kvlab.labs`"
+        assert first.source.startswith(block + "\n"), f"{path.name}: run `python -m kvlab.course.labs`"
 
 
 def test_setup_block_is_added_replaced_and_upgraded():

@@ -5,7 +5,7 @@ import torch
 
 from kvlab.cache import Cache
 from kvlab.gpt2 import GPT2, attention, generate
-from kvlab import static
+from kvlab import reference
 from kvlab.static import StaticCache, StaticDecoder, static_attention, static_attention_explicit
 
 
@@ -117,7 +117,7 @@ def test_compiled_inductor_same_tokens(ours, tiny, inductor_dec):
 def test_compiled_step_profile_attributes_the_parts(ours, tiny, inductor_dec):
     """Chapter 8's profile of a compiled step: the library's matmuls and attention are found by name
     in inductor's step, the parts add up to the profiled wall time, and the step still runs after."""
-    from kvlab import staticbench as sb
+    from kvlab import staticbench as sb, staticview as sv
 
     ids = tiny[1]("The LORD is my shepherd", return_tensors="pt").input_ids
     inductor_dec.generate(ids, 4)
@@ -140,7 +140,7 @@ def test_step_parts_by_name_and_device_time():
 
     from torch.autograd import DeviceType
 
-    from kvlab import staticbench as sb
+    from kvlab import staticbench as sb, staticview as sv
 
     ops = {"aten::addmm": "matrix products", "aten::mm": "matrix products", "aten::bmm": "attention",
            "aten::_scaled_dot_product_flash_attention_for_cpu": "attention", "aten::add": "everything else",
@@ -171,7 +171,7 @@ def test_part_floors_are_the_step_bytes(tiny):
     """The three parts' floors split the static step's bytes: matmul weights (LM head once), the full
     max_len buffers, and the rest; the FLOP term takes over when the rate is low."""
     from kvlab import roofline
-    from kvlab import staticbench as sb
+    from kvlab import staticbench as sb, staticview as sv
 
     hf, C = tiny[0], tiny[0].config.n_embd
     L, V, S = hf.config.n_layer, hf.config.vocab_size, 40
@@ -184,7 +184,7 @@ def test_part_floors_are_the_step_bytes(tiny):
 
 
 def test_break_even_and_first_call():
-    from kvlab.static import break_even_tokens, cpu_compiler, time_first_call
+    from kvlab.staticbench import break_even_tokens, cpu_compiler, time_first_call
 
     assert break_even_tokens(10.0, 0.003, 0.001) == pytest.approx(5000)   # 10 s / 2 ms saved per token
     assert break_even_tokens(10.0, 0.001, 0.002) is None                  # slower: never pays off
@@ -193,7 +193,7 @@ def test_break_even_and_first_call():
 
 
 def test_no_compiler_is_a_clear_error(monkeypatch):
-    from kvlab.static import cpu_compiler
+    from kvlab.staticbench import cpu_compiler
 
     monkeypatch.setenv("CXX", "no-such-compiler-kvlab")
     with pytest.raises(RuntimeError, match="needs a C\\+\\+ compiler"):
@@ -206,24 +206,24 @@ def test_hf_compile_config_refuses_a_transformers_that_ignores_the_private_flag(
     import transformers
     from transformers.generation.utils import GenerationMixin
 
-    assert static.honours_compile_all_devices()              # the pinned release reads the flag
-    assert static.hf_compile_config("cpu")._compile_all_devices is True
-    assert static.hf_compile_config("cuda").mode == "reduce-overhead"   # compiles by itself there
+    assert reference.honours_compile_all_devices()              # the pinned release reads the flag
+    assert reference.hf_compile_config("cpu")._compile_all_devices is True
+    assert reference.hf_compile_config("cuda").mode == "reduce-overhead"   # compiles by itself there
     monkeypatch.delattr(transformers.CompileConfig, "_compile_all_devices")
     with pytest.raises(RuntimeError, match="_compile_all_devices.*would run eagerly"):
-        static.hf_compile_config("cpu")
-    static.hf_compile_config("cuda")                          # not needed on CUDA: no error
+        reference.hf_compile_config("cpu")
+    reference.hf_compile_config("cuda")                          # not needed on CUDA: no error
     monkeypatch.undo()
     monkeypatch.setattr(GenerationMixin, "_valid_auto_compile_criteria", lambda self, kw, gc: True)
-    assert not static.honours_compile_all_devices()           # the flag exists but is no longer read
+    assert not reference.honours_compile_all_devices()           # the flag exists but is no longer read
     with pytest.raises(RuntimeError, match="transformers .* no longer reads"):
-        static.hf_compile_config("cpu")
+        reference.hf_compile_config("cpu")
 
 
 def test_breakdown_sentence_is_computed_from_the_parts(capsys):
     """The sentence names the part farthest above its floor, says when the noise test cannot tell it
     from the next, and says so when the profiler named nothing (no split is invented)."""
-    from kvlab import staticbench as sb
+    from kvlab import staticbench as sb, staticview as sv
     from kvlab.timing import Timing
 
     def parts(secs, spread=0.0):
@@ -236,11 +236,11 @@ def test_breakdown_sentence_is_computed_from_the_parts(capsys):
         return out
 
     attention_worst = parts([(1.0e-3, 0.9e-3), (1.5e-3, 0.1e-3), (0.5e-3, 0.0)])
-    s = sb.breakdown_sentence(attention_worst)
+    s = sv.breakdown_sentence(attention_worst)
     assert "farthest above its floor is attention" in s and "the next, everything else" in s
     noisy = parts([(1.0e-3, 0.9e-3), (1.5e-3, 0.1e-3), (1.3e-3, 0.0)], spread=0.5)
-    assert "not told apart" in sb.breakdown_sentence(noisy)
+    assert "not told apart" in sv.breakdown_sentence(noisy)
     blind = parts([(0.0, 0.9e-3), (0.0, 0.1e-3), (3e-3, 0.0)])
-    assert "named no matrix product" in sb.breakdown_sentence(blind)
-    sb.print_breakdown(attention_worst)
+    assert "named no matrix product" in sv.breakdown_sentence(blind)
+    sv.print_breakdown(attention_worst)
     assert "above floor ms" in capsys.readouterr().out

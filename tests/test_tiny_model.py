@@ -1,6 +1,6 @@
 """Tests for the bundled ``kvlab-tiny`` model (models/kvlab-tiny) and its training script.
 
-The perplexity protocol is the one the training script uses, ``kvlab.models.window_loss``:
+The perplexity protocol is the one the training script uses, ``kvlab.quality.window_loss``:
 heldout.txt is tokenized as one string, the ids are cut into consecutive non-overlapping
 512-token windows (the last partial one dropped), the model runs in fp32, and the cross-entropy
 is averaged over the 511 predicted positions of every window.
@@ -24,7 +24,7 @@ import torch
 
 import transformers  # noqa: E402
 
-from kvlab.models import window_loss  # noqa: E402
+from kvlab.quality import window_loss
 
 REPO = Path(__file__).resolve().parent.parent
 MODEL_DIR = REPO / "models" / "kvlab-tiny"
@@ -94,7 +94,7 @@ print("OK", out.shape[1] - enc["input_ids"].shape[1])
 
 def test_kvlab_loader_matches_transformers(tiny):
     """The book's own loader gives the same model as plain transformers."""
-    from kvlab.models import load
+    from kvlab.loading import load
 
     model, tokenizer = tiny
     ids = tokenizer("And God said, Let there be light", return_tensors="pt")["input_ids"]

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from kvlab.models import REPO_ROOT
+from kvlab.paths import REPO_ROOT
 
 WORKFLOWS = sorted((REPO_ROOT / ".github" / "workflows").glob("*.yml"))
 BROKEN = """\
@@ -86,9 +86,9 @@ def test_pages_uses_the_official_actions_and_keeps_the_execution_cache():
 
 
 def _mode_gated(wf, run):
-    """The step running ``run`` and the mode step it is gated on (kvlab.grade --which)."""
+    """The step running ``run`` and the mode step it is gated on (kvlab.course.grade --which)."""
     steps = _steps(wf)
-    mode = next(s for s in steps if "kvlab.grade --which" in s.get("run", ""))
+    mode = next(s for s in steps if "kvlab.course.grade --which" in s.get("run", ""))
     step = next(s for s in steps if s.get("run", "").strip() == run)
     assert mode["id"] == "mode" and steps.index(mode) < steps.index(step)
     return step
@@ -104,12 +104,12 @@ def test_grade_runs_make_grade_on_a_learners_fork():
     assert "push" in wf[True]
     assert _mode_gated(wf, "make grade")["if"] == "steps.mode.outputs.mode == 'learner'"
     # with nothing started, the scorecard still goes to the summary, with nothing installed
-    assert _mode_gated(wf, "python3 -m kvlab.grade")["if"] == "steps.mode.outputs.mode != 'learner'"
+    assert _mode_gated(wf, "python3 -m kvlab.course.grade")["if"] == "steps.mode.outputs.mode != 'learner'"
     assert "make grade" in (REPO_ROOT / "README.md").read_text()
 
 
 def test_the_classroom_workflow_of_a_release_lints(tmp_path):
-    from kvlab import release
+    from kvlab.course import release
 
     tests = [("lab01_naive_generation", "01", 2), ("lab07_roofline", "07", 3)]
     wf_path = tmp_path / "classroom.yml"

@@ -21,12 +21,14 @@ from __future__ import annotations
 import math
 import operator
 
-from ..paged import PagedKVCache, blocks_for
+from ..paged_cache import PagedKVCache
+from ..paged import blocks_for
 from .block_manager import AllocatorBlocks, BlockManager
 from .clock import Clock, Trace
 from .runner import Runner
 from .scheduler import Scheduler
 from .sequence import Sequence, Status
+from ..validate import check_context
 
 
 def _int(name: str, v, lo: int, hi: int | None = None) -> int:
@@ -87,9 +89,7 @@ class Engine:
             raise ValueError("prompt must be a non-empty list of token ids (tokenize text first)")
         ids = tuple(_int(f"prompt token #{i}", t, 0, vocab) for i, t in enumerate(prompt))
         m = _int("max_new_tokens", max_new_tokens, 1)
-        if len(ids) + m > ctx:
-            raise ValueError(f"prompt ({len(ids)} tokens) + max_new_tokens ({m}) = {len(ids) + m} exceeds the "
-                             f"model's context of {ctx} positions: shorten the prompt or ask for fewer tokens")
+        check_context(len(ids) + m, ctx, f"prompt ({len(ids)} tokens) + max_new_tokens ({m})")
         eos = None if eos_token_id is None else _int("eos_token_id", eos_token_id, 0, vocab)
         rid = len(self.seqs) if rid is None else rid
         if rid in self.seqs or any(p.rid == rid for p in self.prefixes):
@@ -187,14 +187,11 @@ class Engine:
                     self.scheduler.retire(seq, Status.FINISHED)
         return emitted
 
-    def run(self, progress: bool = False) -> list[Sequence]:
-        """Step until every request has finished or failed; returns them in submission order."""
-        from ..progress import bar as tqdm
-
-        with tqdm(total=len(self.seqs), desc="requests", leave=False, disable=not progress) as bar:
-            while self.step():
-                bar.n = sum(s.status in (Status.FINISHED, Status.FAILED) for s in self.seqs.values())
-                bar.refresh()
+    def run(self) -> list[Sequence]:
+        """Step until every request has finished or failed; returns them in submission order.
+        (The engine prints nothing: a caller that wants progress steps it with ``step()`` itself.)"""
+        while self.step():
+            pass
         return list(self.seqs.values())
 
     def close(self) -> None:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from ..cache import Cache
-from ..paged import PagedKVCache
+from ..paged_cache import PagedKVCache
 from .sequence import Sequence
 
 EMPTY = -1   # a key slot no query may see (kvlab.cache.EMPTY)

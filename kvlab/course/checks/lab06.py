@@ -17,9 +17,10 @@ import operator
 
 import torch
 
-from ..memory import context_length
+from kvlab.configs import context_length
 from ._common import (GRADER_TEXTS, LearnerModel, expect_value_error, fail, grading_model,
                       grading_tokenizer, learner_call, passed, reference_greedy)
+from kvlab.batching import one_by_one
 
 NAME_BATCH = "check_make_batch"
 NAME_GEN = "check_batched_generate"
@@ -422,7 +423,6 @@ def check_batched_generate_until(batched_generate_until) -> None:
     """Grade ``batched_generate_until(model, tokenizer, prompts, max_new_tokens)``: each row's greedy
     new tokens up to and including its own first end-of-text token (``tokenizer.eos_token_id``),
     computed as one batch, with grading-only end-of-text ids the model really produces."""
-    from ..batching import one_by_one
 
     model, tok0 = grading_model()
     guard = LearnerModel(NAME_UNTIL, model)

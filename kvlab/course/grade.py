@@ -1,11 +1,11 @@
 """Grade the labs a learner filled in: nbval on ``labs/``, then a scorecard, one row per lab.
 
-    python -m kvlab.grade               # every lab (what `make grade` runs)
-    python -m kvlab.grade --lab 07      # one lab (`make grade LAB=07`)
-    python -m kvlab.grade --which       # CI: prints mode=learner or mode=maintainer
+    python -m kvlab.course.grade               # every lab (what `make grade` runs)
+    python -m kvlab.course.grade --lab 07      # one lab (`make grade LAB=07`)
+    python -m kvlab.course.grade --which       # CI: prints mode=learner or mode=maintainer
 
 A lab is **not started** while every exercise cell still equals its stub (read from the fingerprints
-``python -m kvlab.labs`` records in the lab's metadata, so this costs no kernel); a not-started lab is
+``python -m kvlab.course.labs`` records in the lab's metadata, so this costs no kernel); a not-started lab is
 not run and does not fail the command. A started lab runs through ``pytest --nbval-lax`` (its full
 report goes to ``_build/grade/<lab>.log``); it is **passed** when every cell runs, else **in
 progress**, with each failing cell and the first line of its error (the grader's message). The
@@ -66,7 +66,7 @@ def find_labs(root: Path, which: str | None = None) -> list[Path]:
     return chosen
 
 
-# --- the pytest plugin (loaded into the nbval run with -p kvlab.grade) ----------------------------
+# --- the pytest plugin (loaded into the nbval run with -p kvlab.course.grade) ----------------------------
 
 _cells: dict[str, dict] = {}
 _bar = None
@@ -124,7 +124,7 @@ def run_nbval(path: Path, root: Path, cell_timeout: int) -> tuple[int, dict, Pat
     out_dir.mkdir(parents=True, exist_ok=True)
     log, results = out_dir / f"{path.stem}.log", out_dir / f"{path.stem}.json"
     results.unlink(missing_ok=True)
-    cmd = [sys.executable, "-m", "pytest", "-s", "-p", "kvlab.grade", "-p", "no:cacheprovider",
+    cmd = [sys.executable, "-m", "pytest", "-s", "-p", "kvlab.course.grade", "-p", "no:cacheprovider",
            "--nbval-lax", f"--nbval-cell-timeout={cell_timeout}", "--rootdir", str(root), str(path)]
     env = dict(os.environ, **{RESULTS_ENV: str(results)})
     t0 = time.perf_counter()
@@ -267,7 +267,7 @@ def _print_mode(root: Path) -> int:
     own = upstream(root)
     if mode == "learner" and own and os.environ.get("GITHUB_REPOSITORY", "").lower() == own.lower():
         print(f"labs/ holds filled-in exercises in the book's own repository ({own}): {', '.join(started)}.\n"
-              "labs/ is generated from solutions/ (python -m kvlab.labs); a learner's work belongs in a fork.",
+              "labs/ is generated from solutions/ (python -m kvlab.course.labs); a learner's work belongs in a fork.",
               file=sys.stderr)
         return 1
     print(f"mode={mode}")

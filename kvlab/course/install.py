@@ -1,8 +1,8 @@
 """Install the book's library into a Python that lacks it (Colab, Binder, a bare Jupyter).
 
-Run as a script from a clone of the repository, by the setup block of every lab (see kvlab.labs):
+Run as a script from a clone of the repository, by the setup block of every lab (see kvlab.course.labs):
 
-    python kvlab/install.py --release 0.1.0
+    python kvlab/course/install.py --release 0.1.0
 
 It checks that the clone holds the release the lab was generated for, installs
 requirements-lab.txt and then the library itself (editable: the notebooks find the bundled model
@@ -17,7 +17,7 @@ import sys
 from importlib import metadata
 from pathlib import Path
 
-SRC = Path(__file__).resolve().parent.parent
+SRC = Path(__file__).resolve().parents[2]   # kvlab/course/install.py -> the clone
 
 
 def _release(src: Path) -> str:

@@ -30,9 +30,12 @@ from types import SimpleNamespace
 
 import torch
 
-from ..generate import hf_greedy
-from ._common import (ValueReads, call_unmodified, confirmed, fail, first_difference, fresh_prompts,
-                      grading_model, held_tensors, learner_call, misplaced, passed)
+from kvlab.reference import hf_greedy
+from kvlab.reference import first_difference
+from ._common import (ValueReads, call_unmodified, confirmed, fail, fresh_prompts, grading_model,
+                      held_tensors, learner_call, misplaced, passed)
+from kvlab.gpt2 import GPT2
+from kvlab.static import StaticCache, StaticDecoder
 
 NAME_CACHE = "check_static_cache"
 NAME_ATTENTION = "check_static_attention"
@@ -514,8 +517,6 @@ def check_no_recompile(StaticKVCache, static_attention, steps: int = 50) -> None
     Calls ``torch._dynamo.reset()`` first (so earlier compilations in this process do not count)."""
     from torch._dynamo.testing import CompileCounterWithBackend
 
-    from ..gpt2 import GPT2
-    from ..static import StaticDecoder
 
     hf, tok = grading_model()
     model = GPT2.from_hf(hf)
@@ -647,8 +648,6 @@ def check_static_generate(static_generate) -> None:
     from torch._dynamo.testing import CompileCounter
     from torch._dynamo.utils import counters
 
-    from ..gpt2 import GPT2
-    from ..static import StaticCache
 
     hf, tok = grading_model()
     model = GPT2.from_hf(hf)

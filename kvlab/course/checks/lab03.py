@@ -16,10 +16,14 @@ from dataclasses import dataclass
 
 import torch
 
-from ..generate import hf_greedy
+from kvlab.reference import hf_greedy
+from kvlab.reference import first_difference
 from ._common import (GraderFailure, call_unmodified, confirmed, expect_value_error, fail,
-                      first_difference, fresh_prompts, grading_model, held_tensors, learner_call,
-                      misplaced, passed)
+                      fresh_prompts, grading_model, held_tensors, learner_call, misplaced, passed)
+
+from kvlab.configs import kv_dims
+from kvlab.cache import PreallocatedCache
+from kvlab.gpt2 import GPT2, generate, sdpa_attention
 
 NAME = "lab03"
 NAME_CACHE = "check_kv_cache"
@@ -497,12 +501,10 @@ def _batch_prompts(tok, idx, T):
 
 def _which_piece(hf, KVCache, attention, ids, n, want, detail, second: bool) -> None:
     """Swap each piece for the library's and look again: name the piece that is wrong."""
-    from ..cache import PreallocatedCache
-    from ..gpt2 import GPT2, generate, sdpa_attention
 
     cfg = hf.config
-    ref_cache = PreallocatedCache(cfg.n_layer, ids.shape[0], cfg.n_head, cfg.n_embd // cfg.n_head,
-                                  ids.shape[1] + n)
+    n_layer, n_head, head_dim = kv_dims(cfg)
+    ref_cache = PreallocatedCache(n_layer, ids.shape[0], n_head, head_dim, ids.shape[1] + n)
     with_ref_cache = GPT2.from_hf(hf, attention_fn=attention)
     if not torch.equal(generate(with_ref_cache, ids, n, cache=ref_cache), want):
         raise fail(NAME_GENERATE, f"{detail}. It goes wrong with the library's cache too, so the "
@@ -523,7 +525,6 @@ def check_generate_with_cache(KVCache, attention) -> None:
     """Your ``KVCache`` and ``attention`` inside :class:`kvlab.gpt2.GPT2`: greedy tokens must equal
     transformers' ``model.generate`` (batch of 2; two prompts in a row through one cache object;
     a one-token prompt in a cache filled exactly). ``generate`` calls ``cache.reset()`` first."""
-    from ..gpt2 import GPT2, generate
 
     hf, tok = grading_model()
     model = GPT2.from_hf(hf, attention_fn=attention, cache_cls=KVCache)

@@ -21,8 +21,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..cache import visible
-from ._common import fail, fresh_prompts, grading_model, learner_call, passed
+from kvlab.cache import visible
+from kvlab.course.checks._common import fail, fresh_prompts, grading_model, learner_call, passed
 
 NAME_WINDOW, NAME_GQA, NAME_PREDICT = "check_sink_window_cache", "check_gqa_conversion", "check_window_prediction"
 
@@ -132,7 +132,7 @@ def _run_scenario(WindowCache, window, sinks, chunks, n_layer=2):
 
 def _check_held(cache, window, sinks, seen):
     """The memory bound: no tensor the cache holds keeps more than sinks + window tokens."""
-    from ._common import held_tensors
+    from kvlab.course.checks._common import held_tensors
 
     bound = min(seen, sinks + window)
     for name, t in held_tensors(cache):
@@ -154,7 +154,7 @@ def check_sink_window_cache(WindowCache) -> None:
     """``WindowCache(n_layer, window, sinks)``: see the module docstring."""
     for window, sinks, chunks in _SCENARIOS:
         _run_scenario(WindowCache, window, sinks, chunks)
-    from ..gpt2 import GPT2
+    from kvlab.gpt2 import GPT2
 
     hf, tok = grading_model()
     ours = GPT2.from_hf(hf)
@@ -264,8 +264,8 @@ def check_gqa_conversion(pool_kv_heads, repeat_kv) -> None:
 
 
 def _check_in_model(pool_kv_heads, repeat_kv):
-    from .. import gqa
-    from ..gpt2 import GPT2, generate
+    from kvlab import gqa
+    from kvlab.gpt2 import GPT2, generate
 
     hf, tok = grading_model()
     ours = GPT2.from_hf(hf)

@@ -1,9 +1,9 @@
-"""kvlab.floorbench: chapter 7's plumbing. Timings are run, never asserted."""
+"""kvlab.rooflinebench: chapter 7's plumbing. Timings are run, never asserted."""
 
 import pytest
 import torch
 
-from kvlab import floorbench as fb
+from kvlab import rooflinebench as fb, rooflineview as fv
 from kvlab import gpt2, roofline
 
 
@@ -31,7 +31,7 @@ def test_profile_step_splits_the_wall_time(ours):
     parts = sum(v for k, v in b.items() if k != "wall")
     assert b["wall"] > 0 and b["matrix products"] > 0
     assert parts == pytest.approx(b["wall"], rel=1e-6) or parts > b["wall"]   # gaps are never negative
-    kind, share = fb.dominant(b)
+    kind, share = fv.dominant(b)
     assert kind in b and 0 < share <= 1
 
 
@@ -59,15 +59,15 @@ def test_tables_and_sentences():
     q = fb.quant_rows("Llama-3.1-8B", 1, 512, 1e12, 1e15)
     assert q[0]["floor"] == pytest.approx(2 * q[1]["floor"])          # fp32 reads twice the bytes of fp16
     slow = fb.quant_rows("Llama-3.1-8B", 16, 8192, 20e9, 89e9, 89e9)
-    assert all(r["bound"] == "compute" for r in slow[1:]) and "reads 1.00" in fb.quant_sentence(slow)
+    assert all(r["bound"] == "compute" for r in slow[1:]) and "reads 1.00" in fv.quant_sentence(slow)
     fast = fb.quant_rows("Llama-3.1-8B", 16, 8192, 4.3e12, 55e12, 989e12)   # priced at the half rate
-    assert all(r["bound"] != "compute" for r in fast[1:]) and "bound by memory" in fb.quant_sentence(fast)
+    assert all(r["bound"] != "compute" for r in fast[1:]) and "bound by memory" in fv.quant_sentence(fast)
     assert fast[0]["rate"] == 55e12 and fast[1]["rate"] == 989e12
-    assert "dominates" in fb.bound_sentence(roofline.step_terms(roofline.meta_model("gpt2"), 1, 0, 1e9, 1e12))
+    assert "dominates" in fv.bound_sentence(roofline.step_terms(roofline.meta_model("gpt2"), 1, 0, 1e9, 1e12))
     assert fb.knee([1, 2, 4], [1.0, 1.2, 2.0]) == 4 and fb.knee([1, 2], [1.0, 1.1]) is None
-    assert "later" in fb.knee_sentence(8, 4) and "earlier" in fb.knee_sentence(2, 4)
-    assert "BELOW" in fb.llc_caveat([{"ratio": 0.5}], 32 * 2**20)
-    assert fb.llc_caveat([{"ratio": 3.0}], 32 * 2**20) == ""
+    assert "later" in fv.knee_sentence(8, 4) and "earlier" in fv.knee_sentence(2, 4)
+    assert "BELOW" in fv.llc_caveat([{"ratio": 0.5}], 32 * 2**20)
+    assert fv.llc_caveat([{"ratio": 3.0}], 32 * 2**20) == ""
     assert fb.shape_sizes_that_fit("cpu", quick=True) == ["gpt2"]
     assert len(fb.shape_sizes_that_fit("cuda", quick=False)) == 4
 
@@ -82,9 +82,9 @@ def test_roofline_plot_bf16_rows_and_throughput(ours):
     assert pts[0]["x"] == pytest.approx(roofline.arithmetic_intensity(ours, 1, 8))
     assert pts[1]["y"] == pytest.approx(roofline.decode_step_flops(ours, 4, 8) / rows[1]["measured"])
     fig, ax = plt.subplots()
-    fb.plot_roofline(ax, 10e9, 100e9, {"short": pts}, "t")
+    fv.plot_roofline(ax, 10e9, 100e9, {"short": pts}, "t")
     plt.close(fig)
-    assert "6.0x that of batch 1 (38% of proportional" in fb.throughput_sentence(rows)
+    assert "6.0x that of batch 1 (38% of proportional" in fv.throughput_sentence(rows)
     d = fb.dtype_rows(["gpt2"], fb.H200["bandwidth"], {torch.float32: fb.H200["fp32"], torch.bfloat16: fb.H200["bf16"]})
     assert d[1]["ridge"] / d[0]["ridge"] == pytest.approx(989 / 67)
     assert d[1]["critical"][0] > 10 * d[0]["critical"][0] / 2       # bf16: the critical batch moves far out

@@ -15,11 +15,11 @@ from dataclasses import dataclass
 
 import torch
 
-from ..memory import context_length
+from kvlab.configs import context_length
+from kvlab.reference import first_difference
 from ._common import (LearnerModel, check_generated_ids, confirmed, expect_value_error, fail,
-                      first_difference,
-                      fresh_prompts, grading_model, learner_call, passed, reference_greedy,
-                      run_cases, stopped_early, synthetic)
+                      fresh_prompts, grading_model, learner_call, passed, reference_greedy, run_cases,
+                      stopped_early, synthetic)
 
 NAME = "check_naive_generate"
 NAME_SAMPLE = "check_sample_generate"
@@ -147,12 +147,12 @@ def compare_tokens(check: str, model, out, want, T: int, n: int, other=None) -> 
     """The tokens, token for token; on a difference, the reason, confirmed on ``other()``: the
     learner's output and the reference for another prompt of the same length."""
     i = first_difference(out[0], want[0])
-    if i >= 0:
+    if i is not None:
         others = []
         if other is not None:
             seq, ref = other()
-            j = first_difference(seq[0], ref[0]) if seq.shape == ref.shape else -1
-            others = [(seq, j)] if j >= 0 else []
+            j = first_difference(seq[0], ref[0]) if seq.shape == ref.shape else None
+            others = [(seq, j)] if j is not None else []
         why = diagnose_token(model, out, i, others)
         raise fail(check, f"prompt of {T} tokens, max_new_tokens={n}: new token #{i - T + 1} "
                           f"(position {i}) is {int(out[0, i])}, the reference greedy token is "

@@ -17,11 +17,11 @@ import os
 import sys
 
 import torch
-from .progress import bar as tqdm   # no frozen bar in a page built unwatched
 
-from . import gpt2, harness, plots, probes, roofline, timing
-from .generate import cached_generate, hf_greedy
-from .tables import show
+from . import gpt2, harness, probes, progress, roofline, timing
+from .reference import cached_generate, hf_greedy
+from .catalogue import GPT2_SIZES
+from .configs import context_length
 
 # ---------------------------------------------------------------------------------------------------
 # One decode step, repeatable at a fixed position
@@ -102,40 +102,6 @@ def generators_vs_floor(hf, prompt_len: int, new_tokens: int, threads_list=(None
     return rows
 
 
-def print_rows(rows: list[dict]) -> None:
-    """The generators against the floor, as a table that fits the page (:func:`kvlab.tables.show`)."""
-    show([{"model": r["model"], "where": r["where"], "generator": r["generator"],
-           "ms/token": f"{r['per_token'] * 1e3:.3f}", "floor ms": f"{r['floor_per_token'] * 1e3:.3f}",
-           "measured/floor": f"{r['ratio']:.1f}x", "achieved GB/s": f"{r['achieved'] / 1e9:.1f}",
-           "of read probe": f"{r['achieved'] / r['bandwidth']:.0%}",
-           "probes: read, copy GB/s; GFLOP/s": f"{r['bandwidth'] / 1e9:.1f}, {r['copy_bandwidth'] / 1e9:.1f}; "
-                                               f"{r['flops'] / 1e9:.0f}"} for r in rows])
-
-
-def closest_sentence(rows: list[dict], model: str, device) -> str:
-    """Which generator ran closest to the floor on ``model``, and whether the noise test (see
-    :mod:`kvlab.verdicts`) tells it from the runner-up at the same thread count."""
-    from . import verdicts
-
-    mine = sorted((r for r in rows if r["model"] == model), key=lambda r: r["ratio"])
-    best = mine[0]
-    line = (f"{model}: measured/floor from {best['ratio']:.1f}x to {mine[-1]['ratio']:.1f}x; "
-            f"closest to the floor: {best['generator']} at {best['where']}, {best['ratio']:.1f}x, "
-            f"streaming {best['achieved'] / 1e9:.1f} GB/s ({best['achieved'] / best['bandwidth']:.0%} of "
-            "the read probe)")
-    rival = next((r for r in mine[1:] if r["where"] == best["where"]), None)
-    if rival is None:
-        return line + "."
-    return line + "; against " + rival["generator"] + ": " + verdicts.faster(
-        best["timing"], rival["timing"], device, best["generator"], rival["generator"]) + "."
-
-
-def plot_rows(rows: list[dict], ax) -> None:
-    """Measured ms per token (bars) and the floor (black ticks), one group per model and thread count."""
-    plots.bars_against_floor(ax, rows, lambda r: (r["model"], r["where"]), "generator", GENERATORS,
-                             lambda g: f"{g[0]}\n{g[1]}", "measured time per token against the floor")
-
-
 # ---------------------------------------------------------------------------------------------------
 # Where one step's time goes: torch.profiler
 
@@ -201,20 +167,6 @@ def profile_step(model, batch_size: int, seq_len: int, steps: int = 5) -> dict[s
     return out
 
 
-def plot_profile(breakdowns: dict[str, dict], ax) -> None:
-    """One horizontal stacked bar per model: the share of each kind of time in a step."""
-    kinds = [k for k in next(iter(breakdowns.values())) if k != "wall"]
-    for i, (name, b) in enumerate(breakdowns.items()):
-        left = 0.0
-        for j, k in enumerate(kinds):
-            share = b[k] / b["wall"] if b["wall"] else 0.0
-            ax.barh(i, share, left=left, color=f"C{j}", label=k if i == 0 else None)
-            left += share
-    ax.set_yticks(range(len(breakdowns)), list(breakdowns), fontsize=8)
-    ax.set(xlabel="share of one decode step's wall time (profiled)", xlim=(0, 1))
-    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))
-
-
 # ---------------------------------------------------------------------------------------------------
 # Sweeps
 
@@ -224,7 +176,7 @@ def sweep(model, points, bandwidth: float, flops: float, vary: str = "batch", fi
     """Measured step time and the floor's terms along ``points`` batch sizes (``vary="batch"``,
     at ``fixed`` cached positions) or positions (``vary="seq"``, at batch ``fixed``)."""
     rows = []
-    for p in tqdm(points, desc=f"{vary} sweep", leave=False):
+    for p in progress.bar(points, desc=f"{vary} sweep", leave=False):
         B, S = (p, fixed) if vary == "batch" else (fixed, p)
         t = roofline.step_terms(model, B, S, bandwidth, flops)
         rows.append(dict(batch=B, seq=S, measured=step_time(model, B, S, repeats), **t))
@@ -236,59 +188,8 @@ def knee(xs, ys, factor: float = 1.5):
     return next((x for x, y in zip(xs, ys) if y >= factor * ys[0]), None)
 
 
-def plot_batch_sweep(rows: list[dict], axes) -> None:
-    B = [r["batch"] for r in rows]
-    ax1, ax2 = axes
-    ax1.plot(B, [r["measured"] * 1e3 for r in rows], "o-", label="measured")
-    ax1.plot(B, [r["floor"] * 1e3 for r in rows], "k-", lw=2, label="floor = max(memory, compute)")
-    ax1.plot(B, [r["memory"] * 1e3 for r in rows], "--", color="tab:blue", label="bytes / bandwidth")
-    ax1.plot(B, [r["compute"] * 1e3 for r in rows], ":", color="tab:red", label="FLOPs / matmul rate")
-    ax1.set(xscale="log", yscale="log", xlabel="batch size", ylabel="ms per decode step", title="step time")
-    ax2.plot(B, [b / r["measured"] for b, r in zip(B, rows)], "o-", label="measured")
-    ax2.plot(B, [b / r["floor"] for b, r in zip(B, rows)], "k-", lw=2, label="roofline (B / floor)")
-    ax2.set(xscale="log", yscale="log", xlabel="batch size", ylabel="tokens / s", title="throughput")
-    for ax in axes:
-        ax.legend(fontsize=7)
-
-
-def plot_context_sweep(rows: list[dict], ax) -> None:
-    S = [r["seq"] for r in rows]
-    ax.plot(S, [r["measured"] * 1e3 for r in rows], "o-", label="measured step")
-    ax.plot(S, [r["floor"] * 1e3 for r in rows], "k-", lw=2, label="floor")
-    ax.plot(S, [r["weights"] * 1e3 for r in rows], "--", color="0.5", label="weights term")
-    ax.plot(S, [r["cache"] * 1e3 for r in rows], "--", color="tab:orange", label="cache term")
-    ax.set(xlabel="cached positions per row", ylabel="ms per decode step", ylim=(0, None),
-           title=f"step time against position (batch {rows[0]['batch']})")
-    ax.legend(fontsize=7)
-
-
 # ---------------------------------------------------------------------------------------------------
 # Verdicts: sentences computed from the numbers (never typed)
-
-
-def bound_sentence(terms: dict) -> str:
-    """Which term bounds a step, and by how much, from :func:`roofline.step_terms`."""
-    parts = {"reading the weights": terms["weights"], "reading the cache": terms["cache"],
-             "the arithmetic": terms["compute"]}
-    (first, a), (second, b) = sorted(parts.items(), key=lambda kv: -kv[1])[:2]
-    return f"{first} ({a * 1e3:.3g} ms) dominates, {a / b:.3g} times {second} ({b * 1e3:.3g} ms)"
-
-
-def dominant(breakdown: dict) -> tuple[str, float]:
-    """The largest share of a profiled step and that share (0..1)."""
-    kinds = {k: v for k, v in breakdown.items() if k != "wall"}
-    k = max(kinds, key=kinds.get)
-    return k, kinds[k] / breakdown["wall"]
-
-
-def llc_caveat(rows, cache_bytes) -> str:
-    """A caveat when a measured step beat the DRAM floor: the weights may sit in the CPU's cache."""
-    below = [r for r in rows if r.get("ratio", 2) < 1 or r.get("measured", 2) < r.get("floor", 0)]
-    if not below:
-        return ""
-    return ("Some measured times are BELOW the floor computed from the measured DRAM bandwidth: the "
-            f"working set fits in this CPU's last-level cache ({cache_bytes / 2**20:.0f} MiB as Linux "
-            "reports it), which is faster than DRAM, so the DRAM floor does not bind there.")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -299,7 +200,6 @@ def shape_sizes_that_fit(device, quick: bool) -> list[str]:
     """GPT-2 sizes whose timing fits this device and the build's time budget: all four on a GPU (the
     smallest only in quick mode), GPT-2 small on a CPU (medium alone, three generators at two thread
     counts, took over ten minutes on the project's shared 2-core build machine)."""
-    from .models import GPT2_SIZES
 
     if torch.device(device).type == "cuda":
         return ["gpt2"] if quick else list(GPT2_SIZES)
@@ -315,7 +215,6 @@ def model_table(names, bandwidth: float, flops: float, dtype=torch.float32,
     zero context and what bounds it, the critical batch at each of ``contexts`` (positions per row;
     ``None``: never compute-bound there), the per-row attention intensity, and the context at which
     one row's cache outweighs the weights."""
-    from .memory import context_length
 
     rows = []
     for name in names:
@@ -329,34 +228,6 @@ def model_table(names, bandwidth: float, flops: float, dtype=torch.float32,
                          attention=roofline.attention_intensity(m), crossover=roofline.crossover_length(m),
                          context=n_ctx, kv=roofline.cache_read_bytes(m, 1, 1)))
     return rows
-
-
-def _crit_cell(row, context) -> str:
-    if context not in row["critical"]:
-        return "-"
-    b = row["critical"][context]
-    return f"{b:,}" if b else "never"
-
-
-def print_model_table(rows, contexts=(0, 512, 1000, 4096, 32768)) -> None:
-    """The table, with the critical batch at a few context lengths ('never': no batch is
-    compute-bound there; '-': beyond the model's context)."""
-    show([{"model": r["name"], "weights": f"{r['weights'] / 1e9:.2f} GB", "rows-only": f"{r['lookup']:.1%}",
-           "floor, B=1": f"{r['floor'] * 1e3:.2f} ms", "FLOP/B, B=1": f"{r['intensity']:.2f}",
-           "attn FLOP/B": f"{r['attention']:.2f}"}
-          | {f"critical batch at {c:,}": _crit_cell(r, c) for c in contexts} for r in rows])
-
-
-def plot_critical_batch(rows, ax, ridge: float) -> None:
-    """The critical batch against the context, one curve per model of :func:`model_table`; a curve
-    ends where no batch is compute-bound any more."""
-    for r in rows:
-        pts = [(c, b) for c, b in r["critical"].items() if b]
-        if pts:
-            ax.plot([max(c, 1) for c, _ in pts], [b for _, b in pts], "o-", ms=3, label=r["name"])
-    ax.set(xscale="log", yscale="log", xlabel="cached positions per row (0 drawn at 1)",
-           ylabel="critical batch", title=f"batch at which a step turns compute-bound (ridge {ridge:.1f})")
-    ax.legend(fontsize=7)
 
 
 # Published figures of the articles' GPU (NVIDIA's RTX 3090 specifications): memory bandwidth and
@@ -402,22 +273,6 @@ def quant_rows(name: str, batch_size: int, seq_len: int, bandwidth: float, flops
     return rows
 
 
-def quant_sentence(rows: list[dict]) -> str:
-    """What the formats change on this machine, computed: which rows are bound by compute, and why
-    their ratios read 1.00 when they are."""
-    compute = [r["format"] for r in rows[1:] if r["bound"] == "compute"]
-    if not compute:
-        return ("Every half-precision row is bound by memory on this machine: each byte a format saves "
-                "comes off the floor.")
-    why = ""
-    if rows[1]["bound"] == "compute":
-        why = (" The fp16 row is itself bound by compute, and the FLOPs are the same in every format, "
-               "so every compute-bound row has the fp16 row's floor: its 'x vs fp16' reads 1.00.")
-    return (f"{len(compute)} of the {len(rows) - 1} half-precision rows are bound by compute here "
-            f"({'; '.join(compute)}): this machine's arithmetic at {rows[1]['rate'] / 1e9:.0f} GFLOP/s, "
-            "not its memory, sets their floor, so fewer bytes no longer lower it." + why)
-
-
 def roofline_points(rows: list[dict], model) -> list[dict]:
     """Measured sweep rows (:func:`sweep`) as roofline points: intensity (FLOPs per byte of the
     step) and achieved FLOP/s (FLOPs / measured seconds)."""
@@ -427,35 +282,6 @@ def roofline_points(rows: list[dict], model) -> list[dict]:
         out.append(dict(batch=r["batch"], seq=r["seq"], x=f / roofline.decode_step_bytes(model, r["batch"], r["seq"]),
                         y=f / r["measured"]))
     return out
-
-
-def plot_roofline(ax, bandwidth: float, flops: float, series: dict, title: str) -> None:
-    """The roofline of the measured machine (min(intensity x bandwidth, flops)), its ridge, and the
-    measured steps: ``series`` maps a label to :func:`roofline_points` (each point marked by batch)."""
-    xs = [p["x"] for pts in series.values() for p in pts] + [flops / bandwidth]
-    lo, hi = min(xs) / 2, max(xs) * 4
-    grid = [lo * (hi / lo) ** (i / 200) for i in range(201)]
-    ax.plot(grid, [min(x * bandwidth, flops) for x in grid], "k-", lw=2, label="roofline (read probe, matmul)")
-    ax.axvline(flops / bandwidth, color="0.6", ls=":", label=f"ridge {flops / bandwidth:.1f} FLOP/byte")
-    for label, pts in series.items():
-        line, = ax.plot([p["x"] for p in pts], [p["y"] for p in pts], "o-", ms=4, label=label)
-        for p in pts:
-            ax.annotate(f"B={p['batch']}", (p["x"], p["y"]), fontsize=6, color=line.get_color(),
-                        xytext=(2, -8), textcoords="offset points")
-    ax.set(xscale="log", yscale="log", xlabel="arithmetic intensity (FLOPs per byte of the step)",
-           ylabel="FLOP/s (measured steps: FLOPs / time)", title=title)
-    ax.legend(fontsize=7, loc="lower right")
-
-
-def throughput_sentence(rows: list[dict]) -> str:
-    """How throughput grew from the first to the last batch of a sweep, against proportional growth
-    and against what the roofline allows: computed, never typed."""
-    first, last = rows[0], rows[-1]
-    gain = last["batch"] / last["measured"] * first["measured"] / first["batch"]
-    allowed = last["batch"] / last["floor"] * first["floor"] / first["batch"]
-    ideal = last["batch"] / first["batch"]
-    return (f"Measured throughput at batch {last['batch']} was {gain:.1f}x that of batch {first['batch']} "
-            f"({gain / ideal:.0%} of proportional growth, {ideal:g}x); the roofline allows {allowed:.1f}x.")
 
 
 # Published figures (NVIDIA's H200 SXM datasheet): memory bandwidth, dense fp32 and dense bf16
@@ -475,30 +301,3 @@ def dtype_rows(names, bandwidth: float, rates: dict, contexts=(0, 512, 2048)) ->
     return rows
 
 
-def knee_sentence(measured, floor) -> str:
-    """Compare where the measured step and the floor start to grow with the batch (see :func:`knee`)."""
-    if measured is None and floor is None:
-        return "Neither the measured step nor the floor reached 1.5x its batch-1 time in this sweep."
-    if measured is None or floor is None:
-        which = "measured step" if measured is None else "floor"
-        return (f"The {which} never reached 1.5x its batch-1 time in this sweep; the other did at "
-                f"batch {measured or floor}.")
-    if measured == floor:
-        return f"Both reach 1.5x their batch-1 time at batch {measured}."
-    order = "later" if measured > floor else "earlier"
-    return (f"The measured step reaches 1.5x its batch-1 time at batch {measured}, {order} than the floor "
-            f"(batch {floor}).")
-
-
-def recorded_sentence(what: str = "Recorded runs on GPUs") -> str:
-    """Whether any GPU run is committed under ``results/``, in words: the chapters point at the
-    results page only for what is really there."""
-    from . import results
-
-    gpus = sorted({results.machine(r) for r in results.load_all()
-                   if r["provenance"]["device"].get("device") == "cuda"})
-    if not gpus:
-        return (f"{what}: none is committed yet. The results page will render each one once it is "
-                "(python -m kvlab.report --device cuda); until then every number here comes from the "
-                "machine that built this page.")
-    return f"{what} ({', '.join(gpus)}) are on the results page, each labelled with its device and date."

@@ -6,7 +6,7 @@ forks, copy-on-write, frees while shared, a pool that runs out, also in the midd
 a shadow of what every block table and reference count must be, and stops at the first operation
 that breaks it, naming the mistake. Block ids are never compared with ours: any free-list order is
 correct, and any integer type (numpy's too) is accepted as a block id, as the engine accepts it.
-The scheduler and prefix-cache graders are in :mod:`kvlab.checks.lab09_serving`.
+The scheduler and prefix-cache graders are in :mod:`kvlab.course.checks.lab09_serving`.
 """
 
 from __future__ import annotations
@@ -16,6 +16,12 @@ import numbers
 import torch
 
 from ._common import GRADER_TEXTS, fail, grading_model, passed
+from kvlab.gpt2 import GPT2
+from kvlab.paged import BlockAllocator as Library
+from kvlab.paged import BlockAllocator as RefAllocator
+from kvlab.paged import paged_gather as library
+from kvlab.serving import Engine
+from kvlab.serving.reference import References
 
 NAME_ALLOC, NAME_GATHER, NAME_GEN = "check_block_allocator", "check_paged_gather", "check_paged_generate"
 _CONTRACT = ("allocate", "fork", "append_slot", "free", "block_table", "refcount", "num_free")
@@ -259,7 +265,6 @@ def _run_op(sh: _Shadow, kind: str, *args) -> None:
 
 def check_block_allocator(BlockAllocator) -> None:
     """Grade ``BlockAllocator(num_blocks, block_size)`` on scripted scenarios against a shadow."""
-    from ..paged import BlockAllocator as Library
 
     if library_copy(BlockAllocator, Library):
         raise fail(NAME_ALLOC, "you handed in kvlab.paged.BlockAllocator, the library's own allocator: write "
@@ -338,7 +343,6 @@ def _tuple_as_index(paged_gather, pool, table, n, where, what) -> None:
 
 def check_paged_gather(paged_gather) -> None:
     """Grade ``paged_gather(pool, block_table, seq_len) -> [heads, seq_len, head_dim]``."""
-    from ..paged import paged_gather as library
 
     if paged_gather is library:
         raise fail(NAME_GATHER, "you handed in kvlab.paged.paged_gather, the library's own: write your own "
@@ -418,7 +422,6 @@ _NB = 12   # blocks: a pool that binds for this workload (preemptions happen)
 def _serve(model, prefix, reqs, alloc_cls, gather):
     """The engine of chapter 9 on the learner's pieces: a pool that binds (preemption), a shared prefix
     (copy-on-write), free lists shuffled first (tables out of id order). Returns the engine."""
-    from ..serving import Engine
 
     eng = Engine(model, num_blocks=_NB, block_size=4, max_num_batched_tokens=12, max_num_seqs=3,
                  allocator_cls=alloc_cls, gather=gather)
@@ -441,9 +444,6 @@ def check_paged_generate(BlockAllocator, paged_gather) -> None:
     """The hand-built GPT-2 serves a stream of requests (chapter 9's engine: ragged steps, preemption, a
     shared prefix) through your ``BlockAllocator`` and ``paged_gather``; every request's tokens must equal
     that prompt alone, and no block may leak."""
-    from ..gpt2 import GPT2
-    from ..paged import BlockAllocator as RefAllocator
-    from ..servingbench import References
 
     hf, tok = grading_model()
     model = GPT2.from_hf(hf)

@@ -1,14 +1,14 @@
 """For instructors: the labs as an nbgrader course and a GitHub Classroom autograding workflow.
 
-    python -m kvlab.release OUT              # every lab
-    python -m kvlab.release OUT --lab 01     # one lab
+    python -m kvlab.course.release OUT              # every lab
+    python -m kvlab.course.release OUT --lab 01     # one lab
 
-writes, from ``solutions/`` and ``labs/`` (run ``python -m kvlab.labs --check`` first: it refuses a
+writes, from ``solutions/`` and ``labs/`` (run ``python -m kvlab.course.labs --check`` first: it refuses a
 stale ``labs/``):
 
 * ``OUT/source/<lab>/<lab>.ipynb``: the solution, its cells marked for nbgrader: each cell holding a
   ``# BEGIN SOLUTION`` region is an autograded answer (``solution``), each cell calling a
-  ``kvlab.checks`` grader is an autograder test (``grade``, locked, 1 point), every other cell as is.
+  ``kvlab.course.checks`` grader is an autograder test (``grade``, locked, 1 point), every other cell as is.
   ``nbgrader generate_assignment <lab>`` run in OUT makes nbgrader's own release from it;
 * ``OUT/release/<lab>/<lab>.ipynb``: what a learner gets: the cells of ``labs/`` (this project's stubs,
   which name the exercise, where nbgrader writes a bare ``raise NotImplementedError()``), marked alike;
@@ -30,15 +30,15 @@ from . import labs as L
 from .grade import CHECK_CALL, find_labs
 
 NBGRADER_CONFIG = '''\
-# nbgrader's configuration for the kvlab labs (written by `python -m kvlab.release`).
+# nbgrader's configuration for the kvlab labs (written by `python -m kvlab.course.release`).
 # The labs fence solutions with nbgrader's default "BEGIN SOLUTION" / "END SOLUTION".
 c = get_config()  # noqa: F821 (nbgrader provides it)
 c.CourseDirectory.course_id = "kvlab"
 '''
 
 CLASSROOM_HEAD = """\
-# GitHub Classroom autograding for the kvlab labs (written by `python -m kvlab.release`): one test
-# per lab runs `make grade LAB=NN` (nbval on that lab; see kvlab/grade.py) and scores the lab's
+# GitHub Classroom autograding for the kvlab labs (written by `python -m kvlab.course.release`): one test
+# per lab runs `make grade LAB=NN` (nbval on that lab; see kvlab/course/grade.py) and scores the lab's
 # points when every cell passes. --require-pass: a lab not started scores 0.
 name: Autograding Tests
 on:
@@ -120,13 +120,13 @@ def release_lab(lab_path: Path, root: Path, out: Path) -> int:
     lab = json.loads(lab_path.read_text())
     exercises = (lab.get("metadata", {}).get("kvlab") or {}).get("exercises")
     if exercises is None:
-        raise SystemExit(f"{lab_path}: no record of its exercises: run `python -m kvlab.labs` first")
+        raise SystemExit(f"{lab_path}: no record of its exercises: run `python -m kvlab.course.labs` first")
     if L.started(lab):
         raise SystemExit(f"{lab_path} holds filled-in exercises: a release gives learners the stubs "
-                         "(regenerate it with `python -m kvlab.labs --overwrite`, which keeps a backup)")
+                         "(regenerate it with `python -m kvlab.course.labs --overwrite`, which keeps a backup)")
     sol = json.loads((root / "solutions" / lab_path.name).read_text())
     if [c.get("id") for c in sol["cells"]] != [c.get("id") for c in lab["cells"]]:
-        raise SystemExit(f"{lab_path} and its solution have other cells: run `python -m kvlab.labs --check`")
+        raise SystemExit(f"{lab_path} and its solution have other cells: run `python -m kvlab.course.labs --check`")
     points = 0
     for kind, nb in (("source", sol), ("release", lab)):
         nb = mark(nb, exercises)
@@ -153,7 +153,7 @@ def classroom_workflow(tests: list[tuple[str, str, int]]) -> str:
 def write_release(out: Path, root: Path = L.REPO_ROOT, which: str | None = None) -> list[Path]:
     """Everything the module docstring lists, into ``out``; returns the files written."""
     if L.sync(root, check=True) != 0:
-        raise SystemExit("labs/ is out of date with solutions/ (see above): run `python -m kvlab.labs` first")
+        raise SystemExit("labs/ is out of date with solutions/ (see above): run `python -m kvlab.course.labs` first")
     tests = [(p.stem, p.stem[3:5], release_lab(p, root, out)) for p in find_labs(root, which)]
     (out / "nbgrader_config.py").write_text(NBGRADER_CONFIG)
     wf = out / "classroom" / ".github" / "workflows" / "classroom.yml"

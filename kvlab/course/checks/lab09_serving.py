@@ -19,6 +19,13 @@ import random
 from ._common import fail, passed
 from ._fake import FakeLM, fake_reference
 from .lab09 import library_copy
+from kvlab.gpt2 import GPT2
+from kvlab.serving import Batch, Engine, Sequence, Status
+from kvlab.serving import BlockManager as LibraryBlockManager
+from kvlab.serving import Scheduler as LibraryScheduler
+from kvlab.serving.reference import References
+
+from ._common import grading_model
 
 NAME_SCHED, NAME_PREFIX = "check_scheduler", "check_prefix_cache"
 V = 97
@@ -72,7 +79,6 @@ def _snapshot(sch) -> dict:
 
 
 def _verify_step(sch, snap, batch, where) -> None:
-    from ..serving import Batch, Status
 
     if not isinstance(batch, Batch):
         raise fail(NAME_SCHED, f"{where}: schedule() must return a kvlab.serving.Batch, got {type(batch).__name__}")
@@ -100,7 +106,6 @@ def _verify_step(sch, snap, batch, where) -> None:
 
 
 def _verify_victims(sch, snap, batch, where) -> None:
-    from ..serving import Status
 
     victims = [s for s in snap["running"] if s.status is Status.WAITING]
     logged = {id(v) for v, _, _ in sch.preempt_log}
@@ -121,7 +126,6 @@ def _verify_victims(sch, snap, batch, where) -> None:
 
 
 def _verify_fairness(sch, snap, batch, where, total) -> None:
-    from ..serving import Status
 
     scheduled = {id(s) for s, _ in batch.work}
     room = total < sch.max_tokens and len(batch.work) < sch.max_seqs
@@ -191,7 +195,6 @@ def _graded_class(Scheduler, title):
 
 
 def _run_case(Scheduler, model, case, reference):
-    from ..serving import Engine, Status
 
     title, kw, n, plen, new, pre, seed = case
     eng = Engine(model, scheduler_cls=_graded_class(Scheduler, title), clock=_Ticks(), **kw)
@@ -226,11 +229,10 @@ def _run_case(Scheduler, model, case, reference):
 
 def check_scheduler(Scheduler) -> None:
     """Grade a ``kvlab.serving.Scheduler`` subclass whose ``schedule()`` is the learner's."""
-    from ..serving import Scheduler as Library
 
-    if not (isinstance(Scheduler, type) and issubclass(Scheduler, Library)):
+    if not (isinstance(Scheduler, type) and issubclass(Scheduler, LibraryScheduler)):
         raise fail(NAME_SCHED, "hand in a class that subclasses kvlab.serving.Scheduler and writes schedule()")
-    if library_copy(Scheduler, Library, ("schedule",)):
+    if library_copy(Scheduler, LibraryScheduler, ("schedule",)):
         raise fail(NAME_SCHED, "your class does not write schedule(): it is kvlab.serving.Scheduler's own; write "
                                "your own in the lab's cell")
     model, preempted = FakeLM(vocab=V, n_positions=256), 0
@@ -244,9 +246,6 @@ def check_scheduler(Scheduler) -> None:
 
 
 def _confirm_on_gpt2(Scheduler) -> None:
-    from ..gpt2 import GPT2
-    from ..servingbench import References
-    from ._common import grading_model
 
     model = GPT2.from_hf(grading_model()[0])
     _run_case(Scheduler, model, ("the hand-built GPT-2, a pool that binds", dict(num_blocks=8, block_size=4,
@@ -259,7 +258,6 @@ def _confirm_on_gpt2(Scheduler) -> None:
 
 def _fill(bm, rid, tokens):
     """A sequence that computed ``tokens`` and finished: its full blocks registered, then freed."""
-    from ..serving import Sequence
 
     s = Sequence(rid, tuple(tokens), 1)
     bm.allocate(s, len(tokens))
@@ -316,11 +314,10 @@ def _prefix_scenarios(BlockManager):
 
 def check_prefix_cache(BlockManager) -> None:
     """Grade a ``kvlab.serving.BlockManager`` subclass whose ``lookup`` and ``evict`` are the learner's."""
-    from ..serving import BlockManager as Library
 
-    if not (isinstance(BlockManager, type) and issubclass(BlockManager, Library)):
+    if not (isinstance(BlockManager, type) and issubclass(BlockManager, LibraryBlockManager)):
         raise fail(NAME_PREFIX, "hand in a class that subclasses kvlab.serving.BlockManager and writes lookup and evict")
-    if library_copy(BlockManager, Library, ("lookup", "evict")):
+    if library_copy(BlockManager, LibraryBlockManager, ("lookup", "evict")):
         raise fail(NAME_PREFIX, "your class writes neither lookup nor evict: it is kvlab's own; write your own")
     n = 0
     try:
@@ -354,7 +351,6 @@ _PREFIX_HINTS = {
 
 
 def _serve_prefixes(BlockManager):
-    from ..serving import Engine, Status
 
     rng = random.Random(78)
     system = [rng.randrange(1, V) for _ in range(10)]

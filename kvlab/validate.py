@@ -1,17 +1,15 @@
-"""Reference greedy generators, the ones the labs are graded against.
+"""Input checks at the library's boundaries, one place for each rule.
 
-All of them share one contract: ``input_ids`` is a ``LongTensor [1, T]`` (batch 1, ``T >= 1``) and the
-result is ``[1, T + max_new_tokens]``, prompt included, chosen greedily (argmax of the last position's
-logits). Bad input raises a ``ValueError`` that says what to do; nothing is silently truncated.
+Every public entry point checks its arguments here, before any work: token ids against the model's
+vocabulary, lengths against its context (``n_positions``), counts as integers (``True`` is not 1).
+Each error says what was wrong and how to fix it.
 """
 
 from __future__ import annotations
-
 import numbers
-
+import operator
 import torch
-
-from .memory import config_field, config_of, context_length
+from . import configs   # (configs checks its counts here: imported as a module, used at call time)
 
 
 def check_ids(input_ids, batched: bool = False,
@@ -31,7 +29,7 @@ def check_ids(input_ids, batched: bool = False,
 
 def check_vocab(model, input_ids: torch.Tensor) -> None:
     """Every id of ``input_ids`` must be a row of the model's embedding: ``0 <= id < vocab_size``."""
-    vocab = config_field(config_of(model), "vocab_size")
+    vocab = configs.config_field(configs.config_of(model), "vocab_size")
     if vocab is None or input_ids.numel() == 0:
         return
     lo, hi = int(input_ids.min()), int(input_ids.max())
@@ -48,17 +46,24 @@ def _is_int(x) -> bool:
     return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
 
+def check_context(total: int, limit: int | None, what: str,
+                  fix: str = "shorten the prompt or ask for fewer tokens") -> None:
+    """The one rule of GPT-2's context: ``total`` positions must fit its ``limit`` (``n_positions``).
+
+    There is no position embedding beyond the context, so nothing is truncated for the caller: the
+    error names what went past it (``what``) and how to fix it (``fix``)."""
+    if limit is not None and total > limit:
+        raise ValueError(f"{what} = {total} exceeds the model's context of n_positions={limit} (GPT-2 has "
+                         f"no position embedding beyond it): {fix}")
+
+
 def check_budget(model, prompt_len: int, max_new_tokens: int, what: str = "prompt") -> None:
     """``max_new_tokens`` must be an int >= 0, and ``prompt_len + max_new_tokens`` fit the context."""
     if not _is_int(max_new_tokens) or max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be a non-negative int (a count of tokens), got "
                          f"{max_new_tokens!r}; pass e.g. max_new_tokens=20")
-    limit, total = context_length(model), prompt_len + max_new_tokens
-    if limit is not None and total > limit:
-        raise ValueError(
-            f"{what} ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) = {total} exceeds "
-            f"the model's context of {limit} positions; shorten the prompt or ask for fewer tokens "
-            "(GPT-2 has no position embedding beyond its context, so nothing is truncated for you)")
+    check_context(prompt_len + max_new_tokens, configs.context_length(model),
+                  f"{what} ({prompt_len} tokens) + max_new_tokens ({max_new_tokens})")
 
 
 def check_inputs(model, input_ids, max_new_tokens: int, batched: bool = False) -> torch.Tensor:
@@ -125,81 +130,20 @@ def check_max_len(max_len, n_positions: int) -> int:
         raise ValueError(f"max_len must be an int >= 1 (the prompt plus the new tokens the cache must "
                          f"hold), got {max_len!r}; pass max_len=None for the model's whole context "
                          f"({n_positions} positions)")
-    if max_len > n_positions:
-        raise ValueError(f"max_len={max_len} exceeds the model's context of n_positions={n_positions}; "
-                         "GPT-2 has no position embedding beyond it: pass at most that")
+    check_context(max_len, n_positions, "max_len", "pass at most that")
     return int(max_len)
 
 
-@torch.no_grad()
-def naive_generate(model, input_ids: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
-    """Greedy decoding with no cache (chapter 1): every step re-runs the whole sequence (O(N^2) positions)."""
-    ids = check_inputs(model, input_ids, max_new_tokens)
-    for _ in range(max_new_tokens):
-        logits = model(ids, use_cache=False).logits       # [1, t, vocab]: all positions recomputed
-        next_id = logits[:, -1, :].argmax(dim=-1, keepdim=True)
-        ids = torch.cat([ids, next_id], dim=1)
-    return ids
+def check_int(value, what: str, minimum: int = 1) -> int:
+    """``value`` as an int >= ``minimum``, or a ValueError naming ``what``."""
+    try:
+        n = operator.index(value)   # ints (and numpy ints) only: 12.5 layers is a bug upstream
+    except TypeError:
+        raise ValueError(f"{what} must be an integer, got {value!r}") from None
+    if n < minimum:
+        raise ValueError(f"{what} must be >= {minimum}, got {n}")
+    return n
 
 
-@torch.no_grad()
-def cached_generate(model, input_ids: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
-    """Greedy decoding with transformers' ``DynamicCache`` (chapter 2): prefill the prompt once, then one
-    token a step."""
-    from transformers import DynamicCache
-
-    ids = check_inputs(model, input_ids, max_new_tokens)
-    if max_new_tokens == 0:
-        return ids
-    cache = DynamicCache(config=model.config)
-    out = model(ids, cache=cache, use_cache=True)          # prefill: every prompt position, once
-    next_id = out.logits[:, -1, :].argmax(dim=-1, keepdim=True)
-    pieces = [ids, next_id]
-    for _ in range(max_new_tokens - 1):
-        out = model(next_id, cache=cache, use_cache=True)  # decode: one new position; positions
-        next_id = out.logits[:, -1, :].argmax(dim=-1, keepdim=True)  # continue from the cache length
-        pieces.append(next_id)
-    return torch.cat(pieces, dim=1)
-
-
-@torch.no_grad()
-def hf_greedy(model, input_ids: torch.Tensor, max_new_tokens: int, use_cache: bool = True) -> torch.Tensor:
-    """transformers' own ``generate`` (greedy), the independent reference the graders trust."""
-    ids = check_inputs(model, input_ids, max_new_tokens)
-    if max_new_tokens == 0:
-        return ids
-    # eos_token_id=None: never stop early (our contract is exactly max_new_tokens new tokens);
-    # unlike min_new_tokens, it leaves the logits untouched, so every token is the plain argmax.
-    return model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                          max_new_tokens=max_new_tokens, eos_token_id=None,
-                          pad_token_id=model.config.eos_token_id, use_cache=use_cache)
-
-
-def positions_processed_naive(prompt_len: int, new_tokens: int) -> int:
-    """Token-positions a naive generator pushes through the model: T + (T+1) + ... + (T+N-1)."""
-    _counts(prompt_len=prompt_len, new_tokens=new_tokens)
-    return sum(prompt_len + i for i in range(new_tokens))
-
-
-def positions_processed_cached(prompt_len: int, new_tokens: int) -> int:
-    """With a cache: the prompt once, then one position per further token."""
-    _counts(prompt_len=prompt_len, new_tokens=new_tokens)
-    return prompt_len + max(new_tokens - 1, 0) if new_tokens else 0
-
-
-def forward_flops(config, n_new: int, n_past: int = 0, all_logits: bool = True) -> int:
-    """Multiply-add FLOPs (2 per multiply-accumulate) of one GPT-2 forward over ``n_new`` positions
-    that attend to ``n_past`` cached ones as well.
-
-    Per layer: q/k/v projection 6nd^2, output projection 2nd^2, MLP 16nd^2 (so 24nd^2 in the linear
-    layers), attention scores and weighted sum 2 x 2nd(n_past + n) (a dense kernel scores the full
-    rectangle, masked or not). The LM head costs 2dV per position whose logits are computed
-    (transformers computes all of them unless told otherwise). Embeddings, norms and softmax are
-    left out: they are a few percent at most.
-    """
-    _counts(n_new=n_new, n_past=n_past)
-    d, L, V = config.n_embd, config.n_layer, config.vocab_size
-    n, t = n_new, n_past + n_new
-    per_layer = 24 * n * d * d + 4 * n * t * d
-    head_positions = n if all_logits else 1
-    return L * per_layer + 2 * head_positions * d * V
+def check_count(value, what: str) -> int:
+    return check_int(value, what, minimum=0)

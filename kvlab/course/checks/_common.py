@@ -12,6 +12,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
+from kvlab.loading import load
+from kvlab.reference import hf_greedy
 
 # Prompts a learner has not seen in the notebooks (graders must not be passable by memorising).
 GRADER_TEXTS = [
@@ -32,7 +34,6 @@ class GraderFailure(AssertionError):
 @functools.lru_cache(maxsize=2)
 def grading_model(name: str = "kvlab-tiny"):
     """The model graders run on: the bundled one (offline, fast, deterministic), fp32, CPU."""
-    from ..models import load
 
     torch.manual_seed(0)
     return load(name, device="cpu", dtype=torch.float32)
@@ -57,7 +58,6 @@ _REFERENCE: dict = {}
 
 def reference_greedy(model, prompt: torch.Tensor, n: int, use_cache: bool = True) -> torch.Tensor:
     """transformers' greedy tokens for ``prompt``, memoised (graders ask for the same ones often)."""
-    from ..generate import hf_greedy
 
     key = (id(model), tuple(prompt[0].tolist()), n, use_cache)
     if key not in _REFERENCE:
@@ -71,12 +71,6 @@ def passed(check: str, detail: str) -> None:
 
 def fail(check: str, message: str) -> GraderFailure:
     return GraderFailure(f"{check} FAILED: {message}")
-
-
-def first_difference(a: torch.Tensor, b: torch.Tensor) -> int:
-    """Index of the first differing element of two 1-D tensors of equal length (-1 if equal)."""
-    diff = (a != b).nonzero()
-    return int(diff[0]) if diff.numel() else -1
 
 
 def learner_call(check: str, what: str, fn, *args, **kwargs):
@@ -361,7 +355,7 @@ def _own_functions(obj):
 
 
 # kvlab modules that are tools, not answers: a learner's code may import these
-_LIBRARY_TOOLS = ("kvlab.models", "kvlab.timing", "kvlab.plots", "kvlab.checks")
+_LIBRARY_TOOLS = ("kvlab.loading", "kvlab.provenance", "kvlab.paths", "kvlab.timing", "kvlab.plots", "kvlab.course.checks")
 
 
 def library_calls(obj) -> list[str]:

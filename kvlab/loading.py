@@ -19,17 +19,14 @@ from __future__ import annotations
 import difflib
 import json
 import os
-import platform
 import socket
 from pathlib import Path
 
 import torch
+from .catalogue import GPT2_SIZES
+from .paths import CONFIG_DIR, TINY_DIR
+from .configs import as_dtype
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-# KVLAB_TINY_DIR points "kvlab-tiny" at another folder (a model you retrained with models/train_tiny.py).
-TINY_DIR = Path(os.environ.get("KVLAB_TINY_DIR") or REPO_ROOT / "models" / "kvlab-tiny")
-CONFIG_DIR = REPO_ROOT / "models" / "configs"
-GPT2_SIZES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
 SHAPE_PREFIX = "shape:"
 HUB_HOST = "huggingface.co"
 
@@ -136,7 +133,6 @@ def _load_hub(repo: str, dtype):
 
 def _float_dtype(dtype) -> torch.dtype:
     """``dtype`` as a floating-point ``torch.dtype`` (names such as ``"fp16"`` accepted)."""
-    from .memory import as_dtype
 
     dtype = as_dtype(dtype)
     if not dtype.is_floating_point:
@@ -332,124 +328,3 @@ def load_default(device=None, dtype: torch.dtype = torch.float32):
     return load(default_model_name(), device=device, dtype=dtype)
 
 
-def device_name(device) -> str:
-    device = torch.device(device)
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return f"CPU {cpu} ({os.cpu_count()} logical cores, {torch.get_num_threads()} torch threads)"
-
-
-def describe(model) -> str:
-    """One line: name, kind and shape of a model loaded by :func:`load`."""
-    cfg = model.config
-    n_params = sum(p.numel() for p in model.parameters())
-    kind = getattr(model, "kvlab_kind", "unknown")
-    note = {"shape-only": "RANDOM WEIGHTS: shapes only, text is meaningless",
-            "tiny": "bundled, trained on the KJV Bible",
-            "real": "real pretrained weights"}.get(kind, "")
-    return (f"{getattr(model, 'kvlab_name', cfg.name_or_path)} [{kind}: {note}] "
-            f"{cfg.n_layer} layers, {cfg.n_head} heads, width {cfg.n_embd}, context {cfg.n_positions}, "
-            f"{n_params / 1e6:.1f}M parameters, {next(model.parameters()).dtype}")
-
-
-def banner(model, device=None) -> str:
-    """Show (and return) what produced this notebook's numbers: device, model, versions.
-
-    In a notebook: one line, the details folded under it (HTML ``<details>``); elsewhere printed."""
-    import html
-    import transformers
-
-    from .tables import _in_notebook
-
-    device = device or next(model.parameters()).device
-    lines = [
-        f"device       : {device_name(device)}",
-        f"model        : {describe(model)}",
-        f"versions     : torch {torch.__version__}, transformers {transformers.__version__}, "
-        f"python {platform.python_version()}",
-    ]
-    text = "\n".join(lines)
-    if not _in_notebook():
-        print(text)
-        return text
-    from IPython.display import HTML, display
-    summary = f"Produced by {stamp(model, device)}"
-    display(HTML(f'<details class="kvlab-banner"><summary>{html.escape(summary)}</summary>'
-                 f"<pre>{html.escape(text)}</pre></details>"))
-    return text
-
-
-@torch.no_grad()
-def window_loss(model, ids, window: int = 512, batch: int = 8,
-                max_windows: int | None = None) -> tuple[float, int]:
-    """The book's perplexity protocol (the model card, ``models/train_tiny.py``, the tests).
-
-    Cut a 1-D sequence of token ids into consecutive, non-overlapping windows of ``window`` tokens
-    (the last partial window is dropped; ``max_windows`` keeps an evenly spaced subset), run the
-    model on each (``batch`` windows at a time, in eval mode) and average the cross-entropy over
-    every predicted position (``window - 1`` per window). Returns ``(mean loss in nats, windows)``;
-    the perplexity is ``exp`` of the loss.
-    """
-    ids = _window_args(model, ids, window, batch, max_windows)
-    n = ids.numel() // window
-    if n == 0:
-        raise ValueError(f"need at least {window} tokens, got {ids.numel()}")
-    windows = ids[:n * window].view(n, window)
-    if max_windows is not None and n > max_windows:
-        windows = windows[torch.linspace(0, n - 1, max_windows).long()]
-    device = next(model.parameters()).device
-    was_training = model.training
-    model.eval()
-    total, count = 0.0, 0
-    for i in range(0, windows.shape[0], batch):
-        x = windows[i:i + batch].to(device)
-        logits = model(input_ids=x).logits.float()
-        total += torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), x[:, 1:].flatten(),
-                                                   reduction="sum").item()
-        count += x[:, 1:].numel()
-    model.train(was_training)
-    return total / count, windows.shape[0]
-
-
-def _window_args(model, ids, window, batch, max_windows) -> torch.Tensor:
-    """Check :func:`window_loss`'s arguments; return the ids as a flat LongTensor (never rounded)."""
-    from .generate import _is_int, check_vocab
-    from .memory import context_length
-
-    ids = torch.as_tensor(ids)
-    if ids.dtype == torch.bool or ids.is_floating_point() or ids.is_complex():
-        raise ValueError(f"ids must be integer token ids, got {ids.dtype}; pass tokenizer(text).input_ids")
-    ids = ids.long().flatten()
-    check_vocab(model, ids)
-    ctx = context_length(model)
-    for value, what, lo in ((window, "window", 2), (batch, "batch", 1), (max_windows, "max_windows", 1)):
-        if not (value is None and what == "max_windows") and (not _is_int(value) or value < lo):
-            raise ValueError(f"{what} must be an int >= {lo}, got {value!r}")
-    if ctx is not None and window > ctx:
-        raise ValueError(f"window={window} exceeds the model's context of {ctx} positions; pass at most that")
-    return ids
-
-
-def stamp(model, device=None) -> str:
-    """A one-line provenance for a figure: device, model (and its kind), versions."""
-    import transformers
-
-    device = device or next(model.parameters()).device
-    dev = device_name(device).split(" (")[0] if torch.device(device).type == "cpu" else device_name(device)
-    threads = f", {torch.get_num_threads()} threads" if torch.device(device).type == "cpu" else ""
-    return (f"{dev}{threads} | {getattr(model, 'kvlab_name', '?')} ({getattr(model, 'kvlab_kind', '?')}) | "
-            f"torch {torch.__version__}, transformers {transformers.__version__}")
-
-
-def stamp_figure(fig, model, device=None) -> None:
-    """Write :func:`stamp` along the bottom of a matplotlib figure."""
-    fig.text(0.005, 0.005, stamp(model, device), fontsize=7, color="0.35", ha="left", va="bottom")
-    fig.subplots_adjust(bottom=max(fig.subplotpars.bottom, 0.17))

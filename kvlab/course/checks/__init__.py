@@ -3,7 +3,7 @@ independent reference (transformers itself, or float64 arithmetic), raises ``Ass
 with a message that points at the mistake, and prints one line when it passes.
 
 One submodule per lab; everything is re-exported here so a notebook writes
-``from kvlab.checks import check_naive_generate``. Every check is exported through
+``from kvlab.course.checks import check_naive_generate``. Every check is exported through
 :func:`._common.grader`: it refuses the library's own implementations (the exercise is to write
 them) and fails with the message and the learner's own frames, not the grader's source.
 """
@@ -64,7 +64,7 @@ __all__ = [
 
 # Labs 7 and 9 refuse the library's own code in their own graders (issues 22, 23), with messages of
 # their own, and their tests build references on the library: the wrapper only trims their tracebacks.
-_OWN_REFUSAL = ("kvlab.checks.lab07", "kvlab.checks.lab09", "kvlab.checks.lab09_serving")
+_OWN_REFUSAL = ("kvlab.course.checks.lab07", "kvlab.course.checks.lab09", "kvlab.course.checks.lab09_serving")
 for _name in __all__:
     _check = globals()[_name]
     globals()[_name] = grader(_check, own_work=_check.__module__ not in _OWN_REFUSAL)

@@ -20,6 +20,7 @@ import operator
 import torch
 
 from ._common import fail, grading_model, passed
+from kvlab.footprint import fill_dynamic_cache, measure_config, measured_cache_bytes
 
 NAME = "check_kv_cache_bytes"
 NAME_BATCH = "check_max_batch_size"
@@ -138,7 +139,6 @@ def _as_int(value, name, what):
 
 def _bytes_cases():
     """(label, config, seq_len, batch, dtype, bytes, how we know): measured, then hand-worked."""
-    from ..measure import fill_dynamic_cache, measure_config, measured_cache_bytes
 
     sizes = [(7, 3, torch.float32), (5, 2, torch.float16), (9, 1, torch.bfloat16),
              (6, 2, torch.float32), (4, 2, torch.float32), (3, 1, torch.bfloat16)]

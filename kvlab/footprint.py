@@ -19,7 +19,8 @@ from collections.abc import Mapping
 import torch
 
 from .cache import tensor_bytes
-from .memory import as_dtype, check_count, check_int, model_from_json
+from .configs import as_dtype, model_from_json
+from .validate import check_count, check_int
 
 #: Per-layer bookkeeping that is not cached keys/values: int64 scalars holding StaticCache's write
 #: position and a sliding-window layer's window size.

@@ -30,7 +30,7 @@ from contextlib import contextmanager
 
 import torch
 
-from .. import roofline
+from kvlab import roofline
 from ._common import GraderFailure, fail, grading_model, passed
 
 NAME_BYTES = "check_decode_step_bytes"

@@ -1,0 +1,83 @@
+"""What produced a number: the device, the model and the library versions, as a banner or a stamp.
+
+Presentation: every figure and table of the book is stamped with these; `kvlab.report` adds the
+machine's details for a recorded run.
+"""
+
+from __future__ import annotations
+from pathlib import Path
+import os
+import platform
+import torch
+from .tables import _in_notebook
+
+
+def device_name(device) -> str:
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"CPU {cpu} ({os.cpu_count()} logical cores, {torch.get_num_threads()} torch threads)"
+
+
+def describe(model) -> str:
+    """One line: name, kind and shape of a model loaded by :func:`load`."""
+    cfg = model.config
+    n_params = sum(p.numel() for p in model.parameters())
+    kind = getattr(model, "kvlab_kind", "unknown")
+    note = {"shape-only": "RANDOM WEIGHTS: shapes only, text is meaningless",
+            "tiny": "bundled, trained on the KJV Bible",
+            "real": "real pretrained weights"}.get(kind, "")
+    return (f"{getattr(model, 'kvlab_name', cfg.name_or_path)} [{kind}: {note}] "
+            f"{cfg.n_layer} layers, {cfg.n_head} heads, width {cfg.n_embd}, context {cfg.n_positions}, "
+            f"{n_params / 1e6:.1f}M parameters, {next(model.parameters()).dtype}")
+
+
+def banner(model, device=None) -> str:
+    """Show (and return) what produced this notebook's numbers: device, model, versions.
+
+    In a notebook: one line, the details folded under it (HTML ``<details>``); elsewhere printed."""
+    import html
+    import transformers
+
+
+    device = device or next(model.parameters()).device
+    lines = [
+        f"device       : {device_name(device)}",
+        f"model        : {describe(model)}",
+        f"versions     : torch {torch.__version__}, transformers {transformers.__version__}, "
+        f"python {platform.python_version()}",
+    ]
+    text = "\n".join(lines)
+    if not _in_notebook():
+        print(text)
+        return text
+    from IPython.display import HTML, display
+    summary = f"Produced by {stamp(model, device)}"
+    display(HTML(f'<details class="kvlab-banner"><summary>{html.escape(summary)}</summary>'
+                 f"<pre>{html.escape(text)}</pre></details>"))
+    return text
+
+
+def stamp(model, device=None) -> str:
+    """A one-line provenance for a figure: device, model (and its kind), versions."""
+    import transformers
+
+    device = device or next(model.parameters()).device
+    dev = device_name(device).split(" (")[0] if torch.device(device).type == "cpu" else device_name(device)
+    threads = f", {torch.get_num_threads()} threads" if torch.device(device).type == "cpu" else ""
+    return (f"{dev}{threads} | {getattr(model, 'kvlab_name', '?')} ({getattr(model, 'kvlab_kind', '?')}) | "
+            f"torch {torch.__version__}, transformers {transformers.__version__}")
+
+
+def stamp_figure(fig, model, device=None) -> None:
+    """Write :func:`stamp` along the bottom of a matplotlib figure."""
+    fig.text(0.005, 0.005, stamp(model, device), fontsize=7, color="0.35", ha="left", va="bottom")
+    fig.subplots_adjust(bottom=max(fig.subplotpars.bottom, 0.17))

@@ -1,0 +1,156 @@
+"""Chapter 8's tables, figures and computed sentences, from the rows :mod:`kvlab.staticbench` measures.
+
+Presentation only: nothing here times or runs a model.
+"""
+
+from __future__ import annotations
+import torch
+from . import plots, verdicts
+from .staticbench import COMPILED_OURS, EAGER_HF, TWIN, VARIANTS
+from .tables import show
+
+
+def print_rows(rows: list[dict]) -> None:
+    """The generators against the floor, with achieved bandwidth and what compiling cost, as a table
+    that fits the page (:func:`kvlab.tables.show`)."""
+    def pays(r):
+        return ("-" if r["compile_s"] is None else "never" if r["break_even"] is None
+                else f"{r['break_even']:,.0f} tokens")
+    show([{"model": r["model"], "threads": r["threads"], "generator": r["generator"],
+           "ms/token": f"{r['per_token'] * 1e3:.3f}", "floor ms": f"{r['floor_per_token'] * 1e3:.3f}",
+           "x floor": f"{r['ratio']:.2f}x", "achieved GB/s": f"{r['achieved'] / 1e9:.2f}",
+           "of read probe": f"{r['achieved'] / r['bandwidth']:.0%}", "read probe GB/s": f"{r['bandwidth'] / 1e9:.1f}",
+           "compile s": "-" if r["compile_s"] is None else f"{r['compile_s']:.1f}", "pays off after": pays(r)}
+          for r in rows])
+
+
+def plot_rows(rows: list[dict], ax) -> None:
+    """Measured ms per token (bars) and the floor (black ticks), one group per model."""
+    plots.bars_against_floor(ax, rows, lambda r: (r["model"], r["threads"]), "generator", VARIANTS,
+                             lambda g: f"{g[0]}\n{g[1]} thread{'s' * (g[1] > 1)}",
+                             "eager and compiled, against the floor", hatched=set(TWIN))
+
+
+def row(rows, model, generator, threads=None) -> dict:
+    return next(r for r in rows if r["model"] == model and r["generator"] == generator
+                and (threads is None or r["threads"] == threads))
+
+
+def fastest_sentence(rows, model) -> str:
+    mine = [r for r in rows if r["model"] == model]
+    best = min(mine, key=lambda r: r["per_token"])
+    base = row(mine, model, EAGER_HF)
+    where = f"{best['threads']} thread{'s' * (best['threads'] > 1)}, {best['device']}"
+    rival = min((r for r in mine if r is not best), key=lambda r: r["per_token"])
+    told = verdicts.told_apart(best["timing"], rival["timing"])
+    lead = (f"the fastest is '{best['generator']}'" if told else
+            f"'{best['generator']}' and '{rival['generator']}' are the two fastest, not told apart by "
+            f"the noise test (kvlab.verdicts), with '{best['generator']}' the lower median")
+    return (f"On {model} ({where}) {lead}: {best['per_token'] * 1e3:.3f} ms per token, "
+            f"{base['per_token'] / best['per_token']:.2f}x transformers' eager generate and "
+            f"{best['ratio']:.2f}x the floor.")
+
+
+def compile_sentence(rows, model) -> str:
+    parts = []
+    for name, twin in TWIN.items():
+        r, e = row(rows, model, name), row(rows, model, twin)
+        speed = e["per_token"] / r["per_token"]
+        when = (f"pays for its {r['compile_s']:.1f} s of compilation after about "
+                f"{r['break_even']:,.0f} tokens" if r["break_even"] is not None else
+                f"never pays for its {r['compile_s']:.1f} s of compilation here (it is not faster)")
+        parts.append(f"'{name}' runs at {speed:.2f}x '{twin}' and {when}")
+    return f"On {model}: " + "; ".join(parts) + "."
+
+
+def question_sentences(rows, tiny="kvlab-tiny", big="shape:gpt2") -> list[str]:
+    """The chapter's two questions, answered from this run (reported, never asserted): how much of
+    the small model's overhead compiling removes, and how close the compiled step of a GPT-2-sized
+    model on one thread comes to the read probe's bandwidth."""
+    out = []
+    if any(r["model"] == tiny for r in rows):
+        e, c = row(rows, tiny, EAGER_HF), row(rows, tiny, COMPILED_OURS)
+        out.append(f"How much faster than transformers' eager generate is the compiled hand-built decode of "
+                   f"{tiny}? " + verdicts.faster(c["timing"], e["timing"], c["device"], COMPILED_OURS, EAGER_HF) + ".")
+    if any(r["model"] == big and r["threads"] == 1 for r in rows):
+        r = row(rows, big, COMPILED_OURS, threads=1)
+        out.append(f"How close does the compiled decode of {big} on one thread come to what memory can "
+                   f"stream? {r['achieved'] / 1e9:.1f} GB/s, {r['achieved'] / r['bandwidth']:.0%} of the read "
+                   f"probe, {r['ratio']:.2f}x the floor.")
+    return out
+
+
+def remains_sentences(rows, model) -> list[str]:
+    """What the compiled hand-built step of ``model`` spends above the floor, from the measured rows."""
+    r = row(rows, model, COMPILED_OURS)
+    step, mv, rest = r["per_token"], r["matvec_per_token"], max(r["per_token"] - r["matvec_per_token"], 0)
+    slots = r["prompt_len"] + r["new_tokens"]
+    return [
+        f"{model}, {r['threads']} thread(s): compiled step {step * 1e3:.3f} ms, floor "
+        f"{r['floor_per_token'] * 1e3:.3f} ms ({r['ratio']:.2f}x)",
+        f"  matrix products alone: {mv * 1e3:.3f} ms, {mv / r['weight_s']:.2f}x the time to read the weights "
+        f"once at the read probe's bandwidth; {min(mv / step, 1):.0%} of the compiled step",
+        f"  floor if attention reads all {slots} slots of the static buffers: "
+        f"{r['static_floor'] * 1e3:.3f} ms, "
+        f"{r['static_floor'] / r['floor_per_token'] - 1:+.1%} on the floor of the filled cache",
+        f"  the rest (attention, norms, embeddings, argmax, the loop and its guards): {rest * 1e3:.3f} ms, "
+        f"{rest / step:.0%} of the step",
+    ]
+
+
+def print_breakdown(parts: list[dict]) -> None:
+    """The profiled parts of a compiled step against their floors (:func:`kvlab.tables.show`). Each
+    part is the median over the profiled rounds; "share" is of the three medians' sum (medians do not
+    add up to the median wall time)."""
+    total = {m: sum(b["seconds"] for b in parts if b["model"] == m) for m in {b["model"] for b in parts}}
+    show([{"model": b["model"], "threads": b["threads"], "part": b["part"], "ms/step": f"{b['seconds'] * 1e3:.3f}",
+           "share": f"{b['seconds'] / total[b['model']]:.0%}" if total[b["model"]] else "-",
+           "floor ms": f"{b['floor'] * 1e3:.4f}",
+           "x floor": f"{b['seconds'] / b['floor']:.1f}x" if b["floor"] else "-",
+           "above floor ms": f"{(b['seconds'] - b['floor']) * 1e3:.3f}"} for b in parts],
+         caption=f"torch {torch.__version__} profiler, medians of " + "; ".join(dict.fromkeys(
+             f"{b['model']}: {b['profiled']}, max_len {b['max_len']}, {b['where']}" for b in parts)))
+
+
+def plot_breakdown(parts: list[dict], ax) -> None:
+    """Each part's profiled ms per step (bars) and its floor (black ticks), log scale."""
+    rows = [dict(b, per_token=b["seconds"], floor_per_token=b["floor"], what="compiled step, profiled")
+            for b in parts]
+    plots.bars_against_floor(ax, rows, lambda r: (r["model"], r["part"]), "what", ("compiled step, profiled",),
+                             lambda g: f"{g[0]}\n{g[1]}", "a compiled step's parts, against each one's floor")
+
+
+def breakdown_sentence(parts: list[dict]) -> str:
+    """Which part of the profiled compiled step is farthest above its floor (seconds above it), and
+    whether the noise test (:mod:`kvlab.verdicts`) tells it from the next one."""
+    b = parts[0]
+    if not any(x["seconds"] for x in parts if x["part"] != "everything else"):   # nothing was named
+        why = ("no kernel of the replayed CUDA graph was recorded" if b["device"] == "cuda" else
+               "their operators go by names this attribution does not know")
+        return (f"On {b['model']} ({b['where']}) the profiler named no matrix product and no attention in "
+                f"the compiled step ({why}), so its {b['wall'] * 1e3:.3f} ms are not split into parts here.")
+    first, second = sorted(parts, key=lambda b: -b["excess"].median)[:2]
+    b, nxt = first, second["excess"].median
+    told = nxt <= 0 < b["excess"].median or verdicts.told_apart(first["excess"], second["excess"])
+    return (f"On {b['model']} ({b['where']}), the part of the profiled compiled step farthest above its floor "
+            f"is {b['part']}: {b['seconds'] * 1e3:.3f} ms against a floor of {b['floor'] * 1e3:.4f} ms, "
+            f"{b['excess'].median * 1e3:.3f} ms of the {sum(x['excess'].median for x in parts) * 1e3:.3f} ms "
+            f"the three parts spend above theirs; "
+            + (f"the next, {second['part']}, is {nxt * 1e3:.3f} ms above its own." if told else
+               f"{second['part']} ({nxt * 1e3:.3f} ms above its floor) is not told apart from it by the "
+               "noise test (kvlab.verdicts)."))
+
+
+def profiler_sentence(parts: list[dict]) -> str:
+    """What the profile itself says about "everything else": how much of it the profiler's own events
+    cost (profiled against unprofiled steps) and how much ran inside inductor's generated code."""
+    b = parts[0]
+    cost = b["wall"] - b["unprofiled"]
+    gen = ("on a GPU, the device time of inductor's Triton kernels" if b["device"] == "cuda" else
+           "inside inductor's generated code (its fused C++ kernels and the Python that calls them)")
+    paid = (f"so about {cost * 1e3:.3f} ms of 'everything else' is the profiler's own cost"
+            if cost > 0 and verdicts.told_apart(b["wall_timing"], b["unprofiled_timing"]) else
+            "not told apart by the noise test (kvlab.verdicts): the profiler's own cost is within this "
+            "run's noise")
+    return (f"{b['model']}: the profiled step took {b['wall'] * 1e3:.3f} ms, the same steps without the "
+            f"profiler {b['unprofiled'] * 1e3:.3f} ms, {paid}; {b['fused'] * 1e3:.3f} ms of the step ran {gen}.")
