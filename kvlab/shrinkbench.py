@@ -109,8 +109,9 @@ def attention_beyond(model, windows: torch.Tensor, grid, first: int = 4) -> torc
     out = []
     for w in attention_weights(model, windows):
         T = w.shape[-1]
-        dist = torch.arange(T)[:, None] - torch.arange(T)[None, :]
-        far = [((dist >= g) & (torch.arange(T)[None, :] >= first)).to(w.dtype) for g in grid]
+        key = torch.arange(T, device=w.device)
+        dist = key[:, None] - key[None, :]
+        far = [((dist >= g) & (key[None, :] >= first)).to(w.dtype) for g in grid]
         out.append(torch.stack([(w * f).sum(-1).mean() for f in far]))
     return torch.stack(out)
 
@@ -155,6 +156,7 @@ def decode_step_fn(model, context: int, batch: int = 1, cache=None):
     """One decode step at ``context`` cached tokens, repeatable: prefill once, then each call rewinds to
     ``context`` and decodes one token (a window cache, which cannot rewind, steps on instead)."""
     ids = torch.randint(1, model.config.vocab_size, (batch, context + 1), generator=torch.Generator().manual_seed(0))
+    ids = ids.to(model.wte.weight.device)
     cache = cache if cache is not None else model.new_cache(batch)
     with torch.no_grad():
         model(ids[:, :context], cache)
