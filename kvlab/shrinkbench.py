@@ -38,7 +38,7 @@ def split_text(tok, window: int = 512, path=None):
     """``(calibration [n, window], training ids, evaluation ids)`` from the bundled held-out text:
     the first :data:`CALIBRATION_SHARE` of it calibrates and trains, the rest evaluates."""
     text = (path or TINY_DIR / "heldout.txt").read_text()
-    ids = torch.tensor(tok(text).input_ids)
+    ids = torch.tensor(tok(text, verbose=False).input_ids)
     cut = int(ids.numel() * CALIBRATION_SHARE)
     train, evaluation = ids[:cut], ids[cut:]
     n = min(8, train.numel() // window)
