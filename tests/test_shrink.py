@@ -141,3 +141,28 @@ def test_bad_inputs_named_and_nothing_changed(ours, text):
         latent.LatentCache(1, 1, 1, 4, 8).update(0, torch.zeros(1, 1, 1, 4), torch.zeros(1, 1, 1, 4),
                                                  torch.zeros(1, 1, dtype=torch.long))
     assert ours.config.cache_dims() == (H, C // H)        # the original is never changed by a conversion
+
+
+def test_measurements_follow_the_books_protocol(ours, tiny):
+    """shrinkbench.quality is models' window_loss through the hand-built model: the same perplexity as
+    transformers' model on the same windows; the original agrees with itself everywhere; a window as
+    long as the context changes nothing; attention a window drops is 0 beyond the context."""
+    import math
+
+    from kvlab import shrinkbench as sb
+    from kvlab.quality import window_loss
+
+    hf, tok = tiny
+    calib, train, ev = sb.split_text(tok)
+    assert calib.shape == (8, 512) and train.numel() + ev.numel() > 50_000 and not set(calib[0].tolist()) - set(train.tolist())
+    ref = sb.quality(ours, ev, max_windows=2)
+    loss, n = window_loss(hf, ev, window=512, max_windows=2)
+    assert n == 2 and ref["ppl"] == pytest.approx(math.exp(loss), rel=1e-4)
+    again = sb.quality(ours, ev, ref["top1"], max_windows=2)
+    assert again["agree"] == 1.0
+    whole = sb.quality(ours, ev, ref["top1"], lambda B: SinkWindowCache(ours.config.n_layer, 512), max_windows=2)
+    assert whole["ppl"] == pytest.approx(ref["ppl"], rel=1e-5)
+    beyond = sb.attention_beyond(ours, calib[:1], [1, 512], first=0)
+    assert beyond.shape == (ours.config.n_layer, 2) and bool((beyond[:, 1] == 0).all()) and bool((beyond[:, 0] > 0).all())
+    mass = sb.attention_mass(ours, calib[:1])
+    assert mass.shape == (ours.config.n_layer, ours.config.n_head) and bool(((mass >= 0) & (mass <= 1)).all())
