@@ -1,31 +1,43 @@
 """kvlab: the small library behind the book "The KV cache, built and measured".
 
-One module per idea. The domain (what the book builds; these compute and never print, plot or tabulate):
+One module per job, on four floors; a test (``tests/test_layout.py``) keeps the arrows pointing down.
 
-* ``models`` (load every model the book uses), ``generate`` (reference generators, chapters 1-2);
-* ``gpt2`` (the hand-built GPT-2 and its ONE forward pass) and ``cache`` (the cache interface, its one
-  mask rule and chapter 3's caches): the model never changes, only the cache does;
-* ``memory`` (the arithmetic of chapter 4), ``quant`` (quantized caches, chapter 5), ``batching``
-  (left-padded batches, chapter 6), ``roofline`` (the floor of a decode step, chapter 7), ``static``
-  (the static cache and a compiled decode step, chapter 8), ``paged`` and ``serving`` (paged memory and
-  the serving engine: sequence, block manager, scheduler, runner, engine; chapter 9); chapter 11's
-  designs that shrink the cache: ``gqa`` (grouped-query heads converted from a trained model),
-  ``window`` (a sink + window cache), ``latent`` (an MLA-style latent), ``designs`` (their bytes).
+The domain: what the book builds. It computes and never prints, plots, times or grades, and imports
+only the domain.
 
-The measurement layer (checks, timings, tables, plots and computed sentences):
+* the model and its caches: ``gpt2`` (the hand-built GPT-2 and its ONE forward pass), ``cache`` (the
+  cache interface, its one mask rule and chapter 3's caches), ``pastlen`` (lab 3's cache contract in
+  that interface), ``quant`` (the maths of quantization) and ``quant_cache`` (chapter 5's caches),
+  ``static`` (chapter 8's static cache and compiled decode step), ``paged`` (chapter 9's allocator and
+  gathers) and ``paged_cache`` (the pool of blocks in the cache interface), ``serving`` (sequence, block
+  manager, scheduler, runner, engine, and the reference every request is checked against), and
+  chapter 11's designs that shrink the cache: ``gqa`` (grouped-query heads converted from a trained
+  model), ``window`` (a sink + window cache), ``latent`` (an MLA-style latent);
+* the arithmetic: ``memory`` (chapter 4's formula), ``roofline`` (chapter 7's floor of a step),
+  ``flops`` (positions and FLOPs of chapter 1), ``batching`` (chapter 6's left-padded batches),
+  ``designs`` (chapter 11: the published designs' cache bytes);
+* the inputs: ``configs`` (a model's shape and dtypes from any config), ``catalogue`` (the models the
+  book prices), ``validate`` (every input check, one place per rule), ``paths`` (where the repository's
+  files are), ``loading`` (models and devices), ``reference`` (transformers' own generators, the
+  references), ``quality`` (held-out loss, the perplexity protocol).
 
-* ``harness`` (one same-tokens check, one rewind-and-time step, one table printer), ``timing`` (honest
-  timing), ``progress`` (progress bars only where someone watches), ``probes`` (the machine's bandwidth
-  and arithmetic rate, measured), ``measure`` (what tensors really hold), ``calculator`` (chapter 4's
-  calculator), ``verdicts`` (sentences computed from measurements), ``tables`` (tables that fit the
-  page), ``plots`` (figures with provenance), ``draw`` (diagrams drawn from the objects the code builds),
-  ``compilecount`` (what torch counts of a compiled function);
-* per chapter: ``floorbench`` (7), ``staticbench`` (8), ``servingbench`` (9), ``shrinkbench`` (11); across the book: ``bench``
-  (the headline ratios), ``report`` (a device's measurements as JSON) and ``results`` (reading them back).
+Measurement: ``timing`` (honest timing), ``probes`` (the machine's bandwidth and arithmetic rate),
+``harness`` (same tokens before timing, the decode-then-rewind timer), ``generators`` (the roster of
+the book's generators, one name each), ``footprint`` (the bytes tensors really hold),
+``compilecount`` (what torch counts of a compiled function), per chapter ``quantbench`` (5),
+``rooflinebench`` (7), ``staticbench`` (8), ``servingbench`` (9), ``shrinkbench`` (11); the commands ``bench`` (the headline
+ratios), ``report`` (a device's measurements as JSON: ``report_sections``, ``machine``) and ``cli``
+(their argument checks).
 
-Tooling: ``checks`` (the lab graders), ``labs`` (solutions -> labs, never over a learner's cells),
-``grade`` (``make grade``: a learner's scorecard), ``release`` (an nbgrader / GitHub Classroom release),
-``cli`` (the commands' argument checks), ``install`` (the library in a bare Jupyter).
+Presentation: ``tables`` (tables that fit the page), ``plots`` (figures), ``draw`` and ``draw_engine``
+(diagrams drawn from the objects the code builds), ``progress`` (progress bars only where someone
+watches), ``verdicts`` (sentences computed from measurements), ``provenance`` (what produced a
+number: banner and stamps), ``calculator`` (chapter 4's calculator), ``rooflineview`` and
+``staticview`` (chapters 7 and 8's tables, figures and sentences), ``results`` (recorded runs read back).
+
+The course, apart (``kvlab.course``; the book imports none of it): ``checks`` (the lab graders),
+``labs`` (solutions -> labs, never over a learner's cells), ``grade`` (a learner's scorecard),
+``release`` (an nbgrader / GitHub Classroom release), ``install`` (the library in a bare Jupyter).
 """
 
 __version__ = "0.1.0"

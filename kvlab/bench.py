@@ -25,9 +25,9 @@ import argparse
 
 import torch
 
-from . import gpt2, harness, loading, probes, provenance, reference, roofline, static, staticbench, timing
+from . import generators as G
+from . import gpt2, harness, loading, probes, provenance, roofline, staticbench, timing
 from .cli import at_least
-from .reference import cached_generate, hf_greedy, naive_generate
 from .validate import check_context
 
 
@@ -50,16 +50,11 @@ def run(model_name: str, new_tokens: int, prompt_len: int, repeats: int, threads
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, hf.config.vocab_size, (1, prompt_len), generator=g).to(device)
 
-    runs = {
-        "transformers generate (DynamicCache)": lambda: hf_greedy(hf, prompt, new_tokens),
-        "kvlab cached_generate (DynamicCache loop)": lambda: cached_generate(hf, prompt, new_tokens),
-        "kvlab hand-built GPT-2, preallocated cache": lambda: gpt2.generate(ours, prompt, new_tokens),
-    }
-    if naive:
-        runs["naive (no cache)"] = lambda: naive_generate(hf, prompt, new_tokens)
-    first_call = _add_compiled(runs, hf, ours, prompt, new_tokens, device) if compiled else {}
+    names = G.EAGER + ((G.NAIVE,) if naive else ()) + (G.COMPILED if compiled else ())
+    runs, _ = G.roster(hf, ours, prompt, new_tokens, names)
+    first_call = _compile(runs, device)
     try:
-        harness.same_tokens(runs, "transformers generate (DynamicCache)")
+        harness.same_tokens(runs, G.TRANSFORMERS)
     except RuntimeError as e:
         raise SystemExit(str(e)) from None
     print(f"all {len(runs)} generators give identical tokens ({new_tokens} new, prompt {prompt_len})")
@@ -74,7 +69,7 @@ def _print_results(res, hf, device, prompt_len: int, new_tokens: int) -> dict[st
     """One line per generator: median, tokens/s, speed vs transformers, multiple of the floor, achieved
     GB/s and its share of the read probe. Returns the speed ratios."""
     floor, probe = _floor(hf, device, prompt_len, new_tokens)
-    base = res["transformers generate (DynamicCache)"]
+    base = res[G.TRANSFORMERS]
     print(f"\n{'generator':46s} {'median s':>9s} {'tokens/s':>9s} {'speed vs transformers':>22s} {'x floor':>8s} "
           f"{'achieved':>10s} {'of probe':>8s}")
     out = {}
@@ -86,35 +81,25 @@ def _print_results(res, hf, device, prompt_len: int, new_tokens: int) -> dict[st
     return out
 
 
-# The compiled generators of chapter 8, each with the eager generator it replaces.
-_COMPILED = {"transformers generate, StaticCache, compiled": "transformers generate (DynamicCache)",
-             "kvlab hand-built GPT-2, static cache, compiled": "kvlab hand-built GPT-2, preallocated cache"}
-
-
-def _add_compiled(runs, hf, ours, prompt, new_tokens, device) -> dict[str, float]:
-    """Add the compiled generators to ``runs``; return the seconds of each one's first call, which
+def _compile(runs, device) -> dict[str, float]:
+    """Call each compiled generator of ``runs`` once; return the seconds of that first call, which
     compiles (torch.compile: inductor; CUDA graphs on a GPU)."""
-    config = reference.hf_compile_config(device)
-    dec = static.StaticDecoder(ours, max_len=prompt.shape[1] + new_tokens).compile()
-    fns = dict(zip(_COMPILED, (lambda: reference.hf_static_generate(hf, prompt, new_tokens, config),
-                               lambda: dec.generate(prompt, new_tokens))))
     first = {}
-    for name, fn in fns.items():
+    for name in (n for n in runs if n in G.EAGER_OF):
         print(f"compiling: {name} ...", flush=True)
-        first[name] = staticbench.time_first_call(fn, device)
-    runs.update(fns)
+        first[name] = staticbench.time_first_call(runs[name], device)
     return first
 
 
 def _print_compile_times(first_call, res, new_tokens) -> None:
     """Compile time apart from the steady state, and after how many tokens compiling pays off."""
     for name, first in first_call.items():
-        eager, steady = res[_COMPILED[name]].median, res[name].median
+        eager, steady = res[G.EAGER_OF[name]].median, res[name].median
         compile_s = staticbench.compile_seconds(first, steady)
         n = staticbench.break_even_tokens(compile_s, eager / new_tokens, steady / new_tokens)
         pays = f"pays off after {n:,.0f} tokens" if n is not None else "never pays off here"
         print(f"{name}: first call {first:.1f} s (compilation included), steady {steady:.3f} s, so compiling "
-              f"took about {compile_s:.1f} s (first call - steady); against {_COMPILED[name]} it {pays}")
+              f"took about {compile_s:.1f} s (first call - steady); against {G.EAGER_OF[name]} it {pays}")
 
 
 def _floor(hf, device, prompt_len: int, new_tokens: int) -> tuple[float, float]:

@@ -22,20 +22,18 @@ paged batch (``EMPTY`` for that query).
 ``seq_len`` advances when the *last* layer has been updated, so during a forward pass every layer
 sees the same ``seq_len``. Implementations: chapter 3's ``PreallocatedCache`` (allocated once,
 written in place), ``ConcatCache`` (grows with ``torch.cat``, for comparison) and
-``SlidingWindowCache`` (an aside; keeps the first ``sinks`` and the last ``window`` tokens); the
+``SlidingWindowKVCache`` (an aside; keeps the first ``sinks`` and the last ``window`` tokens); the
 quantized caches of chapter 5 (``kvlab.quant``), the static cache of chapter 8 (``kvlab.static``),
-the paged caches of chapter 9 (``kvlab.paged``).
+the paged caches of chapter 9 (``kvlab.paged_cache``).
 
 Lab 3's form, ``update(layer, k, v) -> (keys, values)`` (no positions: the new tokens continue the
 cache), is still answered by every cache here, and a learner's cache written to that contract runs
-in the model through :class:`PastLenCache`. A cache implements :meth:`Cache.store`; ``update`` is
+in the model through :class:`kvlab.pastlen.PastLenCache`. A cache implements :meth:`Cache.store`; ``update`` is
 the one entry point and answers both forms.
 """
 
 from __future__ import annotations
 
-import functools
-import inspect
 from abc import ABC, abstractmethod
 
 import torch
@@ -65,8 +63,9 @@ class Cache(ABC):
     n_layer: int
     batch_size: int | None = None   # rows the cache holds (None: set by the first update)
     _len: int = 0                   # slots written in every layer (the caches that count)
-    #: attributes that hold positions and counters, not keys or values (``nbytes`` leaves them out)
-    bookkeeping = ("slot_pos", "_key_pos", "_key_pos_view", "_pass_pos", "position", "_plan", "_slots")
+    #: attributes that hold positions, not cached keys/values (a byte count skips them); each cache
+    #: class lists its own
+    bookkeeping: tuple[str, ...] = ()
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor | None = None):
         """Store ``k``/``v`` of ``layer``, the tokens at ``positions``; return ``(keys, values, key_pos)``
@@ -188,6 +187,8 @@ class PreallocatedCache(Cache):
     slots ``0 .. seq_len+T-1``: no copy of the past, no ``torch.cat``, no allocation per step.
     """
 
+    bookkeeping = ("slot_pos", "_key_pos_view")
+
     def __init__(self, n_layer: int, batch_size: int, n_head: int, head_dim: int, max_len: int,
                  dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
         self._set_sizes(n_layer, batch_size, n_head, head_dim, max_len)
@@ -222,7 +223,6 @@ class PreallocatedCache(Cache):
         self._check_rewind(length)
         self._len = length
 
-    truncate = rewind   # the name chapter 7 and the report used first
 
     @property
     def nbytes(self):
@@ -233,6 +233,8 @@ class ConcatCache(Cache):
     """Chapter 3's first cache: append each step's keys and values with ``torch.cat`` (what transformers'
     ``DynamicCache`` does). Every step allocates a new tensor one token longer and copies the whole
     past into it, so a step at position ``p`` moves ``O(p)`` bytes just to remember them."""
+
+    bookkeeping = ("_key_pos",)
 
     def __init__(self, n_layer: int):
         self.n_layer = n_layer
@@ -273,7 +275,7 @@ class ConcatCache(Cache):
         return tensor_bytes(*self.keys, *self.values)
 
 
-class SlidingWindowCache(Cache):
+class SlidingWindowKVCache(Cache):
     """Keep only the first ``sinks`` and the last ``window`` tokens of every layer (an aside of chapter 3).
 
     Memory stays bounded, but two things change. ``seq_len`` counts every token seen, not the ones
@@ -288,6 +290,8 @@ class SlidingWindowCache(Cache):
     The window applies to what is *kept*, not to a chunk's own attention: a prompt longer than the
     window is prefilled with full causal attention over the whole prompt.
     """
+
+    bookkeeping = ("_key_pos", "_pass_pos")
 
     def __init__(self, n_layer: int, window: int, sinks: int = 0):
         if window < 1 or sinks < 0:
@@ -347,54 +351,3 @@ class SlidingWindowCache(Cache):
         return tensor_bytes(*self.keys, *self.values)
 
 
-class PastLenCache(Cache):
-    """Lab 3's contract in the one forward: a learner's cache with ``update(layer, k, v) -> (keys,
-    values)`` (every key so far, the new ones last), ``seq_len`` and ``reset()``.
-
-    Such a cache says nothing about positions, so, as chapter 3 first did, they follow from what it
-    returns: the ``S`` keys end with the ``T`` new tokens and sit just before them.
-    """
-
-    def __init__(self, inner):
-        self.inner = inner
-        self.n_layer = getattr(inner, "n_layer", None)
-
-    def store(self, layer, k, v, positions):
-        keys, values = self.inner.update(layer, k, v)
-        S, T = keys.shape[2], k.shape[2]
-        key_pos = positions[:, :1, None] - (S - T) + torch.arange(S, device=positions.device)
-        return keys, values, key_pos                  # [B, 1, S]
-
-    def next_positions(self, batch, T, device=None):
-        start = self.inner.seq_len
-        return torch.arange(start, start + T, device=device).expand(batch, T)
-
-    def reset(self):
-        self.inner.reset()
-
-    def rewind(self, length):
-        raise ValueError("a lab-3 cache has no rewind(length): use the library's PreallocatedCache")
-
-    @property
-    def seq_len(self):
-        return self.inner.seq_len
-
-    @property
-    def nbytes(self):
-        return self.inner.nbytes
-
-
-@functools.lru_cache(maxsize=None)
-def _takes_positions(update) -> bool:
-    params = list(inspect.signature(update).parameters.values())
-    return len(params) >= 5 or any(p.kind == p.VAR_POSITIONAL for p in params)
-
-
-def as_cache(cache):
-    """A cache of the one interface: kvlab's as they are; a learner's lab-3 cache (``update(layer, k, v)``,
-    also a kvlab cache subclassed with that ``update``) wrapped in :class:`PastLenCache`."""
-    if cache is None or isinstance(cache, PastLenCache):
-        return cache
-    if isinstance(cache, Cache) and _takes_positions(type(cache).update):
-        return cache
-    return PastLenCache(cache)

@@ -49,13 +49,13 @@ class Drawing:
         return f"Drawing({self.alt!r})"
 
 
-def _figure(width: float, height: float, ncols: int = 1, nrows: int = 1, **kw):
+def canvas(width: float, height: float, ncols: int = 1, nrows: int = 1, **kw):
     fig = Figure(figsize=(width, height), layout="constrained")
     axes = fig.subplots(nrows, ncols, squeeze=False, **kw)
     return fig, [ax for row in axes for ax in row]
 
 
-def _grid(ax, colours, labels=None, fontsize: float = 7):
+def grid(ax, colours, labels=None, fontsize: float = 7):
     """Draw a table of coloured cells (rows x cols of colour strings), optionally with text."""
     rows, cols = len(colours), len(colours[0])
     for i in range(rows):
@@ -101,14 +101,14 @@ def cache_growth(steps: list[dict], tokenizer=None) -> Drawing:
     """One row per forward call: the positions read from the cache and the positions computed (and
     stored) by this call, from :func:`record_steps`. Prefill is the first row, decode the others."""
     S = steps[-1]["after"]
-    fig, (ax,) = _figure(min(0.32 * S + 2.5, 7.5), 0.42 * len(steps) + 0.9)
+    fig, (ax,) = canvas(min(0.32 * S + 2.5, 7.5), 0.42 * len(steps) + 0.9)
     colours, labels = [], []
     for s in steps:
         row = [PAST if p < s["before"] else NEW if p < s["after"] else EMPTY for p in range(S)]
         words = [tokenizer.decode([t]).strip()[:4] if tokenizer else "" for t in s["tokens"]]
         labels.append([""] * s["before"] + words + [""] * (S - s["after"]))
         colours.append(row)
-    _grid(ax, colours, labels, fontsize=5.5)
+    grid(ax, colours, labels, fontsize=5.5)
     names = ["prefill" if i == 0 else f"decode {i}" for i in range(len(steps))]
     ax.set_yticks([len(steps) - 0.5 - i for i in range(len(steps))],
                   [f"{n}: {len(s['tokens'])} in, cache {s['after']}" for n, s in zip(names, steps)], fontsize=7)
@@ -132,7 +132,7 @@ def query_against_cache(step: dict, head: int = 0, dims: int = 16) -> Drawing:
     S, D = K.shape
     w = torch.softmax(K @ q / math.sqrt(D), dim=0).numpy()
     K, V = K[:, :dims].numpy(), V[:, :dims].numpy()
-    fig, axes = _figure(7.0, 0.16 * S + 1.8, ncols=3, gridspec_kw=dict(width_ratios=[dims, dims, 7]))
+    fig, axes = canvas(7.0, 0.16 * S + 1.8, ncols=3, gridspec_kw=dict(width_ratios=[dims, dims, 7]))
     lim = float(max(abs(K).max(), abs(V).max(), abs(q[:dims]).max()))
     qk = torch.full((S + 2, dims), float("nan"))
     qk[0], qk[2:] = q[:dims], torch.from_numpy(K)
@@ -176,10 +176,10 @@ def masks(ours: torch.Tensor, top_left: torch.Tensor, past_len: int) -> Drawing:
     """Two masks of ``T`` queries over ``S`` keys side by side: the one the model applies (the
     diagonal ends bottom-right: query ``i`` is position ``past_len + i``) and ``is_causal``'s."""
     T, S = ours.shape
-    fig, axes = _figure(min(0.35 * S * 2 + 1.5, 7.5), 0.35 * T + 1.4, ncols=2)
+    fig, axes = canvas(min(0.35 * S * 2 + 1.5, 7.5), 0.35 * T + 1.4, ncols=2)
     for ax, m, title in zip(axes, (ours, top_left), ("what the model applies", "is_causal=True")):
         colours = [[SEEN if m[i, j] else HIDDEN for j in range(S)] for i in range(T)]
-        _grid(ax, colours, [["" for _ in range(S)] for _ in range(T)])
+        grid(ax, colours, [["" for _ in range(S)] for _ in range(T)])
         ax.axvline(past_len, color="k", lw=1, ls="--")
         ax.set_title(title, fontsize=9)
         ax.set_xticks([j + 0.5 for j in range(S)], [str(j) for j in range(S)], fontsize=6)
@@ -202,7 +202,7 @@ def cache_layout(shape, names=("layer", "batch", "head", "position", "head dim")
     given, which key/value head each query head reads (``kv_head_of[h]``: e.g. from transformers'
     ``repeat_kv`` applied to the kv-head numbers)."""
     gqa = kv_head_of is not None
-    fig, axes = _figure(7.0, 2.6 if gqa else 1.4, nrows=2 if gqa else 1)
+    fig, axes = canvas(7.0, 2.6 if gqa else 1.4, nrows=2 if gqa else 1)
     ax = axes[0]
     for i, (n, s) in enumerate(zip(names, shape)):
         ax.add_patch(Rectangle((i * 1.4, 0), 1.25, 0.8, facecolor=PAST, edgecolor="k", lw=0.6))
@@ -243,7 +243,7 @@ def quant_axes(x: torch.Tensor, bits: int, quantize) -> Drawing:
     (``kvlab.quant.quantize``): one scale per token (``dim=-1``) and one per channel (``dim=0``);
     the scales' shapes are read off the returned tensors, next to each error."""
     x = x.detach().float().cpu()
-    fig, axes = _figure(7.0, 3.2, ncols=3)
+    fig, axes = canvas(7.0, 3.2, ncols=3)
     lim = float(x.abs().max())
     axes[0].imshow(x.numpy(), cmap="RdBu_r", vmin=-lim, vmax=lim, aspect="auto")
     axes[0].set(title="keys", xlabel="channel", ylabel="position")
@@ -279,8 +279,8 @@ def padded_batch(input_ids, attention_mask, position_ids=None, tokenizer=None, t
         tok_id = int(input_ids[b, t])
         word = "pad" if not real[b][t] else tokenizer.decode([tok_id]).strip()[:6] if tokenizer else str(tok_id)
         return word + (f"\n{int(position_ids[b, t])}" if position_ids is not None else "")
-    fig, (ax,) = _figure(min(0.62 * T + 1.0, 7.5), 0.55 * B + 0.9)
-    _grid(ax, [[SEEN if real[b][t] else PAD for t in range(T)] for b in range(B)],
+    fig, (ax,) = canvas(min(0.62 * T + 1.0, 7.5), 0.55 * B + 0.9)
+    grid(ax, [[SEEN if real[b][t] else PAD for t in range(T)] for b in range(B)],
           [[label(b, t) for t in range(T)] for b in range(B)], fontsize=8)
     for text, (b, t) in zip(ax.texts, [(b, t) for b in range(B) for t in range(T)]):
         text.set_color("white" if real[b][t] else "black")
@@ -309,7 +309,7 @@ def roofline(peak_flops: float, bandwidth: float, points: dict, what: str = "") 
     ridge = peak_flops / bandwidth
     xs = [v[0] for v in points.values()] + [ridge]
     lo, hi = min(xs) / 4, max(xs) * 4
-    fig, (ax,) = _figure(6.5, 3.8)
+    fig, (ax,) = canvas(6.5, 3.8)
     grid = [lo * (hi / lo) ** (i / 200) for i in range(201)]
     ax.plot(grid, [min(peak_flops, x * bandwidth) for x in grid], "k-", lw=1.5)
     ax.axvline(ridge, color="0.5", ls="--", lw=0.8)

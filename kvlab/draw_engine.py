@@ -2,17 +2,17 @@
 reference counts, copy-on-write and the prefix cache, and per-request timelines of a served engine."""
 
 from __future__ import annotations
-from .cache import EMPTY
+
 from matplotlib.patches import FancyArrowPatch, Rectangle
 
-from .draw import NEW, PAD, PAST, SEEN, Drawing, _figure, _grid
+from .draw import EMPTY, NEW, PAD, PAST, SEEN, Drawing, canvas, grid
 
 
 def static_buffer(max_len: int, position: int, batch: int = 1, name: str = "static cache") -> Drawing:
     """A static cache's buffer of ``max_len`` slots (e.g. ``cache.max_len``) and its position pointer
     (``int(cache.position)``): slots before it hold tokens, the rest are allocated and unused."""
-    fig, (ax,) = _figure(min(0.3 * max_len + 1.5, 7.5), 0.45 * batch + 1.1)
-    _grid(ax, [[PAST if p < position else EMPTY for p in range(max_len)] for _ in range(batch)])
+    fig, (ax,) = canvas(min(0.3 * max_len + 1.5, 7.5), 0.45 * batch + 1.1)
+    grid(ax, [[PAST if p < position else EMPTY for p in range(max_len)] for _ in range(batch)])
     for b in range(batch):
         ax.add_patch(Rectangle((0, b), max_len, 1, fill=False, edgecolor="0.4", lw=0.6))
     ax.annotate("position", (position, batch), xytext=(position, batch + 0.9), ha="center", fontsize=8,
@@ -61,7 +61,7 @@ def block_tables(blocks, seqs, copies=(), title: str = "") -> Drawing:
     as copy-on-write arrows. Everything is read off the live objects."""
     tables, pool = _tables(blocks, seqs), _pool_state(blocks)
     n, rows = blocks.num_blocks, len(tables)
-    fig, (ax,) = _figure(min(0.6 * n + 1.6, 7.5), 0.5 * rows + 1.6)
+    fig, (ax,) = canvas(min(0.6 * n + 1.6, 7.5), 0.5 * rows + 1.6)
     for b, (colour, label) in enumerate(pool):
         ax.add_patch(Rectangle((b, 0), 0.9, 0.9, facecolor=colour, edgecolor="k", lw=0.5))
         ax.text(b + 0.45, 0.45, label, ha="center", va="center", fontsize=5.5)
@@ -129,7 +129,7 @@ def timeline(source, title: str = "") -> Drawing:
     token), then its decoding (first to last token), every token a tick; a preempted request is
     marked. ``source``: a served :class:`~kvlab.serving.Engine` (or old-style request records)."""
     spans = _spans(source)
-    fig, (ax,) = _figure(7.0, 0.2 * len(spans) + 1.4)
+    fig, (ax,) = canvas(7.0, 0.2 * len(spans) + 1.4)
     for i, (_, arr, first, last, ticks, pre) in enumerate(spans):
         ax.barh(i, first - arr, left=arr, color=PAD, height=0.7)
         ax.barh(i, last - first, left=first, color=SEEN, height=0.7, hatch="//" if pre else None,

@@ -1,18 +1,18 @@
 """What a forward pass computes (chapter 1): positions processed and FLOPs, counted from a config."""
 
 from __future__ import annotations
-from .validate import _counts
+from .validate import check_counts
 
 
 def positions_processed_naive(prompt_len: int, new_tokens: int) -> int:
     """Token-positions a naive generator pushes through the model: T + (T+1) + ... + (T+N-1)."""
-    _counts(prompt_len=prompt_len, new_tokens=new_tokens)
+    check_counts(prompt_len=prompt_len, new_tokens=new_tokens)
     return sum(prompt_len + i for i in range(new_tokens))
 
 
 def positions_processed_cached(prompt_len: int, new_tokens: int) -> int:
     """With a cache: the prompt once, then one position per further token."""
-    _counts(prompt_len=prompt_len, new_tokens=new_tokens)
+    check_counts(prompt_len=prompt_len, new_tokens=new_tokens)
     return prompt_len + max(new_tokens - 1, 0) if new_tokens else 0
 
 
@@ -26,7 +26,7 @@ def forward_flops(config, n_new: int, n_past: int = 0, all_logits: bool = True) 
     (transformers computes all of them unless told otherwise). Embeddings, norms and softmax are
     left out: they are a few percent at most.
     """
-    _counts(n_new=n_new, n_past=n_past)
+    check_counts(n_new=n_new, n_past=n_past)
     d, L, V = config.n_embd, config.n_layer, config.vocab_size
     n, t = n_new, n_past + n_new
     per_layer = 24 * n * d * d + 4 * n * t * d

@@ -22,7 +22,7 @@ from .cache import tensor_bytes
 from .configs import as_dtype, model_from_json
 from .validate import check_count, check_int
 
-#: Per-layer bookkeeping that is not cached keys/values: int64 scalars holding StaticCache's write
+#: Per-layer bookkeeping that is not cached keys/values: int64 scalars holding StaticKVCache's write
 #: position and a sliding-window layer's window size.
 _BOOKKEEPING = {"cumulative_length", "_sliding_window_tensor", "device"}
 
@@ -61,7 +61,7 @@ def measured_cache_bytes(cache) -> int:
     """Bytes of tensor storage a cache holds right now, read from the tensors themselves.
 
     Works for a transformers ``Cache`` (walks every layer's tensors: ``keys``, ``values``, and the
-    quantized copies and scales of quantized layers; skips scalar bookkeeping such as ``StaticCache``'s
+    quantized copies and scales of quantized layers; skips scalar bookkeeping such as ``StaticKVCache``'s
     write position), a kvlab cache (walks its tensor attributes, less the positions it keeps, its
     ``bookkeeping``: 8 bytes a token, not keys or values), or a list/tuple of tensors.
     Storage is counted once per distinct buffer, whole: a view of a bigger buffer counts the buffer.

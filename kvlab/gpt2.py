@@ -33,13 +33,14 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .cache import EMPTY, PastLenCache, PreallocatedCache, as_cache, visible
+from .cache import EMPTY, PreallocatedCache, visible
+from .pastlen import PastLenCache, as_cache
 from .validate import check_inputs
 from .validate import check_context
 
 
 @dataclass
-class GPT2Config:
+class GPTConfig:
     vocab_size: int = 50257
     n_positions: int = 1024   # the context: GPT-2 has one position embedding per position, no more
     n_embd: int = 768
@@ -48,7 +49,7 @@ class GPT2Config:
     layer_norm_epsilon: float = 1e-5
 
     @classmethod
-    def from_hf(cls, hf_config) -> "GPT2Config":
+    def from_hf(cls, hf_config) -> "GPTConfig":
         return cls(**{f: getattr(hf_config, f) for f in cls.__dataclass_fields__})
 
     @property
@@ -135,7 +136,7 @@ class CausalSelfAttention(nn.Module):
     """GPT-2's attention with a KV cache (chapter 3): the new tokens' keys and values go through the
     cache, which returns every key the queries may need and its position; one rule makes the mask."""
 
-    def __init__(self, cfg: GPT2Config):
+    def __init__(self, cfg: GPTConfig):
         super().__init__()
         self.n_head, self.head_dim = cfg.n_head, cfg.head_dim
         self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd)   # q, k and v in one matmul, as GPT-2 stores them
@@ -174,7 +175,7 @@ class Visibility:
 class MLP(nn.Module):
     """GPT-2's feed-forward block (chapter 3), with the tanh GELU the checkpoint was trained with."""
 
-    def __init__(self, cfg: GPT2Config):
+    def __init__(self, cfg: GPTConfig):
         super().__init__()
         self.c_fc = nn.Linear(cfg.n_embd, 4 * cfg.n_embd)
         self.act = nn.GELU(approximate="tanh")    # GPT-2's "gelu_new"; the exact erf GELU is a bug here
@@ -185,7 +186,7 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: GPT2Config):
+    def __init__(self, cfg: GPTConfig):
         super().__init__()
         self.ln_1 = nn.LayerNorm(cfg.n_embd, eps=cfg.layer_norm_epsilon)
         self.attn = CausalSelfAttention(cfg)
@@ -202,7 +203,7 @@ class GPT2(nn.Module):
     ``cache_cls`` are pluggable, so the labs can run this model with a learner's attention and cache
     (lab 3's forms are wrapped: :class:`PastLenAttention`, :class:`kvlab.cache.PastLenCache`)."""
 
-    def __init__(self, cfg: GPT2Config, attention_fn: Callable | None = None, cache_cls=None):
+    def __init__(self, cfg: GPTConfig, attention_fn: Callable | None = None, cache_cls=None):
         super().__init__()
         self.config = cfg
         self.attention_fn = attention_fn
@@ -261,7 +262,7 @@ class GPT2(nn.Module):
     def from_hf(cls, hf_model, attention_fn: Callable | None = None, cache_cls=None) -> "GPT2":
         """Copy the weights of a transformers ``GPT2LMHeadModel`` (same dtype and device; chapter 3).
         Every shape is checked before it is copied; a mismatch names the weight and both shapes."""
-        cfg = GPT2Config.from_hf(hf_model.config)
+        cfg = GPTConfig.from_hf(hf_model.config)
         p = next(hf_model.parameters())
         model = cls(cfg, attention_fn, cache_cls).to(device=p.device, dtype=p.dtype)
         sd = hf_model.state_dict()

@@ -14,7 +14,7 @@ plot and tabulate nothing. What turns their results into evidence lives here, on
 from __future__ import annotations
 
 import torch
-from .gpt2 import generate
+from .gpt2 import GPT2, generate
 from .reference import first_difference
 from .tables import show
 
@@ -40,13 +40,22 @@ def same_tokens(runs: dict, reference: str | None = None) -> None:
 
 def rewinding_step(model, cache, tokens: torch.Tensor, length: int):
     """A function that runs ONE forward of ``tokens`` ``[B, T]`` after the ``length`` tokens ``cache``
-    holds and then rewinds the cache to ``length``, so every call measures the same step."""
+    holds and then rewinds the cache to ``length``, so every call measures the same step.
+
+    The one "decode a step, then rewind" timer of the book: the hand-built GPT-2 with any kvlab cache
+    (``rewind``), or a transformers model with its ``DynamicCache`` (``crop``). Returns the last
+    position's logits."""
+    ours = isinstance(model, GPT2)
 
     def step():
         with torch.no_grad():
-            out = model(tokens, cache, last_only=True)
-            cache.rewind(length)
-            return out
+            if ours:
+                out = model(tokens, cache, last_only=True)
+                cache.rewind(length)
+                return out[:, -1]
+            out = model(tokens, cache=cache, use_cache=True, logits_to_keep=1).logits
+            cache.crop(-tokens.shape[1])       # back to `length` (crop takes a negative count to drop)
+            return out[:, -1]
     return step
 
 

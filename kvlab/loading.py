@@ -262,20 +262,17 @@ def gpt2_loadable() -> tuple[bool, str]:
     return False, "real gpt2 is neither cached locally nor downloadable (no route to huggingface.co)"
 
 
-def default_model_name(verbose: bool = True) -> str:
-    """The model every notebook uses: ``KVLAB_MODEL`` if set, else ``gpt2`` if loadable, else ``kvlab-tiny``."""
+def default_model() -> tuple[str, str]:
+    """The model every notebook uses and why: ``KVLAB_MODEL`` if set, else ``gpt2`` if loadable, else
+    ``kvlab-tiny``. Returns ``(name, reason)``; nothing is printed (the banner shows the reason)."""
     env = os.environ.get("KVLAB_MODEL", "").strip()
     if env:
-        name, why = env, "KVLAB_MODEL is set"
-    else:
-        ok, reason = gpt2_loadable()
-        name, why = ("gpt2", reason) if ok else ("kvlab-tiny", reason + "; using the bundled model")
-    if verbose:
-        print(f"model: {name}  ({why})")
-    return name
+        return env, "KVLAB_MODEL is set"
+    ok, reason = gpt2_loadable()
+    return ("gpt2", reason) if ok else ("kvlab-tiny", reason + "; using the bundled model")
 
 
-def pick_device(verbose: bool = False) -> torch.device:
+def pick_device() -> torch.device:
     """``cuda`` when a GPU is present, else the CPU; ``KVLAB_DEVICE`` overrides (checked: a device this
     machine does not have is an error here, not a failure later inside torch)."""
     env = os.environ.get("KVLAB_DEVICE", "").strip()
@@ -283,8 +280,6 @@ def pick_device(verbose: bool = False) -> torch.device:
         dev = check_device(env, source=f"KVLAB_DEVICE={env!r}")
     else:
         dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if verbose:
-        print(f"device: {dev}")
     return dev
 
 
@@ -323,8 +318,12 @@ def check_device(device, source: str | None = None) -> torch.device:
 
 
 def load_default(device=None, dtype: torch.dtype = torch.float32):
-    """``load(default_model_name())`` on ``pick_device()``; prints the choice. Returns ``(model, tok)``."""
+    """``load`` of :func:`default_model` on ``pick_device()``. Returns ``(model, tok)``; the model keeps
+    why it was chosen in ``kvlab_why`` (the banner shows it)."""
     device = device or pick_device()
-    return load(default_model_name(), device=device, dtype=dtype)
+    name, why = default_model()
+    model, tok = load(name, device=device, dtype=dtype)
+    model.kvlab_why = why
+    return model, tok
 
 

@@ -17,7 +17,7 @@ copied before anyone appends to it (copy-on-write).
     block, offset, copy_from = alloc.append_slot("a")   # where token 41 goes
     alloc.fork("a", "b"); alloc.free("a"); alloc.free("b")
 
-:class:`PagedKVCache` puts the pool and an allocator together for the scheduler of
+:class:`PagedPool` puts the pool and an allocator together for the scheduler of
 :mod:`kvlab.serving`; :class:`PagedCache` wraps it in chapter 3's ``Cache`` interface so
 ``kvlab.gpt2.generate`` runs on paged memory unchanged.
 """
@@ -28,6 +28,7 @@ import operator
 from collections import deque
 
 import torch
+from .validate import check_int
 
 
 
@@ -37,19 +38,10 @@ class OutOfBlocks(RuntimeError):
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
     """Blocks needed to hold ``num_tokens`` tokens: ``ceil(num_tokens / block_size)``."""
-    _count(block_size, "block_size", minimum=1)
-    return -(-_count(num_tokens, "num_tokens") // block_size)
+    check_int(block_size, "block_size", 1)
+    return -(-check_int(num_tokens, "num_tokens", 0) // block_size)
 
 
-def _count(value, what: str, minimum: int = 0) -> int:
-    """``value`` as an int >= ``minimum``; a bool, a float or a smaller number is refused."""
-    try:
-        n = None if isinstance(value, bool) else operator.index(value)
-    except TypeError:
-        n = None
-    if n is None or n < minimum:
-        raise ValueError(f"{what} must be an int >= {minimum}, got {value!r}")
-    return n
 
 
 def blocks_to_grow(allocator, seq_id, held: int, upto: int, bs: int) -> int:
@@ -69,8 +61,8 @@ class BlockAllocator:
     """
 
     def __init__(self, num_blocks: int, block_size: int):
-        _count(num_blocks, "num_blocks (blocks in the pool)", minimum=1)
-        _count(block_size, "block_size (token slots per block)", minimum=1)
+        check_int(num_blocks, "num_blocks (blocks in the pool)", 1)
+        check_int(block_size, "block_size (token slots per block)", 1)
         self.num_blocks, self.block_size = num_blocks, block_size
         self._free = deque(range(num_blocks))        # FIFO: the least recently freed block goes out first
         self._refcount = [0] * num_blocks
@@ -98,7 +90,7 @@ class BlockAllocator:
         """Block table of a new sequence that holds ``num_tokens`` tokens (its prompt)."""
         if _check_seq_id(seq_id) in self._tables:
             raise ValueError(f"sequence {seq_id!r} already has blocks; free() it first")
-        _count(num_tokens, "num_tokens (the prompt's length)")
+        check_int(num_tokens, "num_tokens (the prompt's length)", 0)
         self._tables[seq_id] = self._take(blocks_for(num_tokens, self.block_size))  # all or nothing
         self._lengths[seq_id] = num_tokens
         return list(self._tables[seq_id])
@@ -193,7 +185,7 @@ def _check_gather(pool: torch.Tensor, table, seq_len, what: str = "seq_len") -> 
     if not isinstance(pool, torch.Tensor) or pool.dim() != 4:
         raise ValueError("pool must be one layer's keys or values, a tensor [num_blocks, heads, block_size, "
                          f"head_dim], got {getattr(pool, 'shape', type(pool).__name__)}; index the layer first")
-    _count(seq_len, what)
+    check_int(seq_len, what, 0)
     bad = [b for b in table if not _is_block_id(b, pool.shape[0])]
     if bad:
         raise ValueError(f"block table {list(table)} holds {bad[0]!r}, not a block id of this pool "

@@ -1,6 +1,6 @@
 """Paged memory in the one cache interface (chapter 9): the pool of blocks and chapter 3's ``Cache`` on it.
 
-:class:`PagedKVCache` puts the pool and an allocator together for the scheduler of
+:class:`PagedPool` puts the pool and an allocator together for the scheduler of
 :mod:`kvlab.serving`; :class:`PagedCache` wraps it in chapter 3's ``Cache`` interface so
 ``kvlab.gpt2.generate`` runs on paged memory unchanged. The allocator and the gathers are in
 :mod:`kvlab.paged`.
@@ -9,12 +9,13 @@
 from __future__ import annotations
 import torch
 from .cache import Cache, EMPTY
-from .paged import BlockAllocator, OutOfBlocks, _count, batched_gather, block_index, blocks_for, blocks_to_grow, joined_gather
+from .paged import BlockAllocator, OutOfBlocks, batched_gather, block_index, blocks_for, blocks_to_grow, joined_gather
 from .validate import check_context
 from .configs import kv_dims
+from .validate import check_int
 
 
-class PagedKVCache(Cache):
+class PagedPool(Cache):
     """One pool of blocks per layer for keys and one for values, plus the allocator that hands them out.
 
     In the one interface it serves a *ragged* step: ``B = 1`` row of ``N`` tokens from several
@@ -29,10 +30,12 @@ class PagedKVCache(Cache):
     called once per sequence and layer (like :func:`paged_gather`).
     """
 
+    bookkeeping = ("_plan",)
+
     def __init__(self, n_layer: int, n_head: int, head_dim: int, num_blocks: int, block_size: int,
                  dtype=torch.float32, device="cpu", allocator_cls=BlockAllocator, gather=None):
-        _count(num_blocks, "num_blocks (blocks in the pool)", minimum=1)     # before allocating the pools
-        _count(block_size, "block_size (token slots per block)", minimum=1)
+        check_int(num_blocks, "num_blocks (blocks in the pool)", 1)     # before allocating the pools
+        check_int(block_size, "block_size (token slots per block)", 1)
         shape = (n_layer, num_blocks, n_head, block_size, head_dim)
         self.keys = torch.zeros(shape, dtype=dtype, device=device)
         self.values = torch.zeros(shape, dtype=dtype, device=device)
@@ -46,7 +49,7 @@ class PagedKVCache(Cache):
         self._plan = None                      # the current step (begin_step)
 
     @classmethod
-    def for_model(cls, model, num_blocks: int, block_size: int, **kwargs) -> "PagedKVCache":
+    def for_model(cls, model, num_blocks: int, block_size: int, **kwargs) -> "PagedPool":
         cfg, p = model.config, next(model.parameters())
         return cls(*kv_dims(cfg), num_blocks, block_size, p.dtype, p.device, **kwargs)
 
@@ -54,7 +57,7 @@ class PagedKVCache(Cache):
         """``(block, offset)`` slots for ``n`` more tokens of ``seq_id`` (a new sequence is allocated);
         copies the contents of any shared block that had to be replaced, in every layer. All or
         nothing: a request the free blocks cannot hold raises before anything changes."""
-        n = _count(n, "n (tokens to reserve)")
+        n = check_int(n, "n (tokens to reserve)", 0)
         if seq_id not in self.lengths:
             table = self.allocator.allocate(seq_id, n)
             self.lengths[seq_id] = n
@@ -203,7 +206,7 @@ def ragged_key_pos(valid: torch.Tensor, owner: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def ragged_forward(model, cache: PagedKVCache, seq_ids: list, new_tokens: list[list[int]]) -> torch.Tensor:
+def ragged_forward(model, cache: PagedPool, seq_ids: list, new_tokens: list[list[int]]) -> torch.Tensor:
     """The model's one forward over a ragged step: sequence ``seq_ids[i]`` appends ``new_tokens[i]`` (a
     whole prompt, a prompt's suffix after a shared prefix, or one decode token). All tokens go in one
     row ``[1, N]``; returns the logits of each sequence's last new token, ``[len(seq_ids), vocab]``."""
@@ -228,10 +231,12 @@ class PagedCache(Cache):
     tokens but a sequence takes blocks only as it grows.
     """
 
+    bookkeeping = ("_slots",)
+
     def __init__(self, n_layer, batch_size, n_head, head_dim, max_len, dtype=torch.float32, device="cpu",
                  block_size: int = 16):
         num_blocks = batch_size * blocks_for(max_len, block_size)
-        self.paged = PagedKVCache(n_layer, n_head, head_dim, num_blocks, block_size, dtype, device)
+        self.paged = PagedPool(n_layer, n_head, head_dim, num_blocks, block_size, dtype, device)
         self.n_layer, self.batch_size, self._len = n_layer, batch_size, 0
         self.n_head, self.head_dim, self.dtype, self.device = n_head, head_dim, dtype, self.paged.device
         self._slots = None

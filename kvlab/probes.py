@@ -19,8 +19,8 @@ import torch.utils.benchmark as benchmark
 
 from .configs import as_dtype
 from .loading import check_device
-from .roofline import _whole
 from .timing import QUICK
+from .validate import check_int
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -37,7 +37,7 @@ def _threads(device, threads: int | None) -> int:
 
 def median_seconds(fn, device, repeats: int = 7, warmup: int = 2, threads: int | None = None) -> float:
     """Median seconds per call of ``fn``: CUDA events on a GPU, torch.utils.benchmark on a CPU."""
-    repeats, warmup = _whole(repeats, "repeats", 1), _whole(warmup, "warmup")
+    repeats, warmup = check_int(repeats, "repeats", 1), check_int(warmup, "warmup", 0)
     for _ in range(warmup):
         fn()
     if torch.device(device).type == "cuda":
@@ -95,8 +95,8 @@ def measure_bandwidth(device="cpu", size_mib: int | None = None, threads: int | 
     if kind not in _PROBES:
         raise ValueError(f"kind must be one of {sorted(_PROBES)}, got {kind!r}")
     device = check_device(device)
-    size_mib = None if size_mib is None else _whole(size_mib, "size_mib", 1)
-    threads, repeats = None if threads is None else _whole(threads, "threads", 1), _whole(repeats, "repeats", 1)
+    size_mib = None if size_mib is None else check_int(size_mib, "size_mib", 1)
+    threads, repeats = None if threads is None else check_int(threads, "threads", 1), check_int(repeats, "repeats", 1)
     threads = _threads(device, threads)
     mib = size_mib or _default_probe_mib(device)
     src = torch.ones(mib * 2**20 // 4 // 4096 * 4096, dtype=torch.float32, device=device)
@@ -116,8 +116,8 @@ def measure_matmul_flops(device="cpu", dtype=torch.float32, n: int | None = None
     """FLOP/s an ``n x n`` by ``n x n`` matrix product achieves (``2 n^3`` FLOPs), median of ``repeats``."""
 
     device, dtype = check_device(device), as_dtype(dtype)
-    n = None if n is None else _whole(n, "n (the matrix size)", 1)
-    threads, repeats = None if threads is None else _whole(threads, "threads", 1), _whole(repeats, "repeats", 1)
+    n = None if n is None else check_int(n, "n (the matrix size)", 1)
+    threads, repeats = None if threads is None else check_int(threads, "threads", 1), check_int(repeats, "repeats", 1)
     threads = _threads(device, threads)
     n = n or (8192 if device.type == "cuda" else 512 if QUICK else 1024)
     g = torch.Generator().manual_seed(0)

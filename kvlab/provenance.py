@@ -51,7 +51,8 @@ def banner(model, device=None) -> str:
     device = device or next(model.parameters()).device
     lines = [
         f"device       : {device_name(device)}",
-        f"model        : {describe(model)}",
+        f"model        : {describe(model)}"
+        + (f"\nchosen       : {model.kvlab_why}" if getattr(model, "kvlab_why", None) else ""),
         f"versions     : torch {torch.__version__}, transformers {transformers.__version__}, "
         f"python {platform.python_version()}",
     ]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 import torch
-from .validate import _is_int, check_vocab
+from .validate import is_int, check_vocab
 from .configs import context_length
 from .validate import check_context
 
@@ -49,7 +49,7 @@ def _window_args(model, ids, window, batch, max_windows) -> torch.Tensor:
     check_vocab(model, ids)
     ctx = context_length(model)
     for value, what, lo in ((window, "window", 2), (batch, "batch", 1), (max_windows, "max_windows", 1)):
-        if not (value is None and what == "max_windows") and (not _is_int(value) or value < lo):
+        if not (value is None and what == "max_windows") and (not is_int(value) or value < lo):
             raise ValueError(f"{what} must be an int >= {lo}, got {value!r}")
     check_context(window, ctx, "window", "pass at most that")
     return ids

@@ -19,7 +19,7 @@ tensor ``[batch, heads, tokens, head_dim]``:
 * ``dim=(1, 2, 3)`` per tensor: one scale per sequence for everything.
 
 Codes of 4 and 2 bits are packed two and four to a byte (``pack``/``unpack``), so storage really
-shrinks. :class:`QuantizedCache` puts it together (keys per channel, values per token, a residual
+shrinks. :class:`QuantizedKVCache` puts it together (keys per channel, values per token, a residual
 window of recent tokens in full precision); :class:`AbsmaxFakeInt8Cache` reproduces article A's
 scheme, which saves nothing. :func:`score_through_cache` and :func:`compare` measure quality.
 """
@@ -160,24 +160,6 @@ def _check_codes(q, what: str) -> None:
         raise ValueError(f"{what} expects torch.uint8 codes, got {getattr(q, 'dtype', type(q).__name__)}")
     if q.dim() == 0:
         raise ValueError(f"{what} works along the last axis: give it a tensor of at least one axis, not a 0-d one")
-
-
-def pack_4bit(q: torch.Tensor) -> torch.Tensor:
-    """Two 4-bit codes per byte: ``q[..., 2i]`` in the low nibble, ``q[..., 2i + 1]`` in the high one."""
-    return pack(q, 4)
-
-
-def unpack_4bit(p: torch.Tensor) -> torch.Tensor:
-    return unpack(p, 4)
-
-
-def pack_2bit(q: torch.Tensor) -> torch.Tensor:
-    """Four 2-bit codes per byte."""
-    return pack(q, 2)
-
-
-def unpack_2bit(p: torch.Tensor) -> torch.Tensor:
-    return unpack(p, 2)
 
 
 # ----------------------------------------------------------------------------- the quantized cache

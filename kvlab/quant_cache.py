@@ -8,6 +8,7 @@ import torch
 from .cache import Cache, append_positions, tensor_bytes
 from .quant import absmax_per_tensor_fake_int8, check_bits, dequantize, dequantize_groups, pack, quantize, quantize_groups, unpack
 from .configs import context_length, kv_dims
+from .configs import config_of
 
 
 #: Statistics modes. The cache quantizes whole blocks of tokens at once, viewed as
@@ -19,7 +20,7 @@ MODES = {
 }
 
 
-class QuantizedCache(Cache):
+class QuantizedKVCache(Cache):
     """A KV cache that stores keys and values in ``bits`` bits (KIVI-style by default).
 
     Tokens arrive in a full-precision *window*. Whenever the window holds at least
@@ -32,9 +33,11 @@ class QuantizedCache(Cache):
 
     ``update`` returns, for attention, the stored past (dequantized blocks, then the window) followed
     by the call's own keys/values *in full precision*: a prompt's attention at prefill is exact, and
-    only what is kept for later steps is quantized (as in KIVI and transformers' ``QuantizedCache``).
+    only what is kept for later steps is quantized (as in KIVI and transformers' ``QuantizedKVCache``).
     ``nbytes`` counts every tensor held: packed codes, scales, zero points and the window.
     """
+
+    bookkeeping = ("_key_pos",)
 
     def __init__(self, n_layer: int, batch_size: int, n_head: int, head_dim: int, max_len: int,
                  dtype: torch.dtype = torch.float32, device="cpu", bits: int = 4, residual: int = 0,
@@ -57,8 +60,10 @@ class QuantizedCache(Cache):
         self.reset()
 
     @classmethod
-    def from_config(cls, config, batch_size: int = 1, max_len: int | None = None, **kw):
-        """Shapes from a model's config (GPT-2's or any other: :func:`kvlab.configs.kv_dims`)."""
+    def for_model(cls, model, batch_size: int = 1, max_len: int | None = None, **kw):
+        """A cache sized for ``model`` (or its config: GPT-2's or any other, :func:`kvlab.configs.kv_dims`);
+        ``max_len`` defaults to the whole context. (Every kvlab cache class has ``for_model``.)"""
+        config = config_of(model)
         n_layer, kv_heads, head_dim = kv_dims(config)
         return cls(n_layer, batch_size, kv_heads, head_dim, max_len or context_length(config), **kw)
 
@@ -102,7 +107,7 @@ class QuantizedCache(Cache):
         if layer == 0:
             self._key_pos = append_positions(self._key_pos, positions)
         # Only what is *stored* is quantized, so a prompt attends to its own exact keys at prefill
-        # (as in KIVI and transformers' QuantizedCache).
+        # (as in KIVI and transformers' QuantizedKVCache).
         keys, values = k, v
         if self._win_k[layer] is not None:
             keys = torch.cat([self._win_k[layer], k], dim=-2)
@@ -164,7 +169,7 @@ class QuantizedCache(Cache):
 
     def __repr__(self) -> str:
         groups = f" (groups of {self.group_size})" if self.group_size else ""
-        return (f"QuantizedCache(bits={self.bits}, keys per {self.key_mode}, values per {self.value_mode}"
+        return (f"QuantizedKVCache(bits={self.bits}, keys per {self.key_mode}, values per {self.value_mode}"
                 f"{groups}, block={self.block}, residual={self.residual}, seq_len={self.seq_len}, "
                 f"nbytes={self.nbytes:,})")
 
@@ -177,13 +182,15 @@ class AbsmaxFakeInt8Cache(Cache):
     plus the scales.
     """
 
+    bookkeeping = ("_key_pos",)
+
     def __init__(self, n_layer: int, batch_size: int, n_head: int, head_dim: int, max_len: int,
                  dtype: torch.dtype = torch.float32, device="cpu"):
         self.n_layer, self.batch_size, self.n_head, self.head_dim = n_layer, batch_size, n_head, head_dim
         self.max_len, self.dtype, self.device = max_len, dtype, torch.device(device)
         self.reset()
 
-    from_config = classmethod(QuantizedCache.from_config.__func__)
+    for_model = classmethod(QuantizedKVCache.for_model.__func__)
 
     def reset(self) -> None:
         self._chunks = [[] for _ in range(self.n_layer)]
@@ -194,7 +201,7 @@ class AbsmaxFakeInt8Cache(Cache):
         T = self._check_update(k, v)
         if layer == 0:
             self._key_pos = append_positions(self._key_pos, positions)
-        # the stored past comes back rounded, the call's own tokens exact (like QuantizedCache)
+        # the stored past comes back rounded, the call's own tokens exact (like QuantizedKVCache)
         keys = torch.cat([q * s for (q, s), _ in self._chunks[layer]] + [k], dim=-2)
         values = torch.cat([q * s for _, (q, s) in self._chunks[layer]] + [v], dim=-2)
         self._chunks[layer].append((absmax_per_tensor_fake_int8(k), absmax_per_tensor_fake_int8(v)))
@@ -219,7 +226,7 @@ class AbsmaxFakeInt8Cache(Cache):
         return sum(tensor_bytes(*kc, *vc) for chunks in self._chunks for kc, vc in chunks)
 
 
-#: What a :class:`QuantizedCache` of each width (KIVI defaults, blocks of 16) promises against the
+#: What a :class:`QuantizedKVCache` of each width (KIVI defaults, blocks of 16) promises against the
 #: full-precision cache, teacher-forced on text: at least ``agree`` top-1 agreement and at most ``kl``
 #: mean KL divergence (nats). The equivalence test holds it to this. Measured on kvlab-tiny (fp32, CPU,
 #: 80 positions after a 32-token prompt): 8 bits 1.000 / 1.1e-6, 4 bits 0.988 / 2.8e-4, 2 bits

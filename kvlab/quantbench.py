@@ -46,7 +46,7 @@ def score_through_cache(forward, cache, ids: torch.Tensor, prefill: int) -> torc
     return torch.cat(out, dim=1)
 
 
-def compare(ref_logprobs: torch.Tensor, logprobs: torch.Tensor, targets: torch.Tensor) -> dict[str, float]:
+def agreement(ref_logprobs: torch.Tensor, logprobs: torch.Tensor, targets: torch.Tensor) -> dict[str, float]:
     """Quality of ``logprobs`` against the full-precision ``ref_logprobs`` on the same ``targets``.
 
     ``ppl`` / ``ppl_ref``: perplexity of the true next tokens; ``ppl_change``: relative change;

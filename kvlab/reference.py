@@ -2,7 +2,7 @@
 
 Greedy, batch 1: ``input_ids`` is a ``LongTensor [1, T]`` and the result ``[1, T + max_new_tokens]``,
 prompt included. Chapter 1's naive generator (no cache), chapter 2's cached one, transformers'
-``generate`` itself, and its compiled ``StaticCache`` generate (chapter 8).
+``generate`` itself, and its compiled ``StaticKVCache`` generate (chapter 8).
 """
 
 from __future__ import annotations
@@ -116,3 +116,13 @@ def first_difference(a: torch.Tensor, b: torch.Tensor) -> int | None:
         return 0
     diff = (a.cpu() != b.cpu()).nonzero()
     return None if diff.numel() == 0 else int(diff[0, -1])
+
+
+def naive_step(model, ids: torch.Tensor):
+    """Chapter 1's step as a function to time: the whole prefix ``ids`` through a transformers model,
+    no cache, and the next token from the last position's logits."""
+
+    @torch.no_grad()
+    def step():
+        return model(ids, use_cache=False).logits[:, -1].argmax(-1)
+    return step

@@ -10,9 +10,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from . import generators as G
 from . import gpt2, harness, loading, probes, progress, roofline, rooflinebench, staticbench, timing
 from .batching import generate_batch
-from .reference import cached_generate, hf_greedy, naive_generate
+from .reference import cached_generate, naive_generate, naive_step
 from .static import StaticDecoder
 
 
@@ -133,10 +134,6 @@ def _new_tokens(run: Run, model) -> int:
     return min(run.plan["new_tokens"], 50) if big_on_cpu else run.plan["new_tokens"]
 
 
-def _naive_step(hf, ids):
-    return lambda: hf(ids, use_cache=False).logits[:, -1].argmax(-1)
-
-
 @torch.no_grad()
 def per_position(run: Run) -> dict:
     """Chapters 1-2: milliseconds per generated token at position p, without and with the cache."""
@@ -145,7 +142,7 @@ def per_position(run: Run) -> dict:
         hf, _ = run.model(name)
         ids = run.prompt(name, hf.config.n_positions)
         for p in run.points(_fit(hf, run.device, run.plan["positions"], 256), f"per position {name}"):
-            t = run.compare({"naive": _naive_step(hf, ids[:, :p + 1]),
+            t = run.compare({"naive": naive_step(hf, ids[:, :p + 1]),
                              "cached": rooflinebench.step_fn(hf, 1, p)})     # chapter 7's step, rewound
             rows.append(dict(model=name, position=p, naive_ms=rounded(t["naive"].median * 1e3),
                              cached_ms=rounded(t["cached"].median * 1e3),
@@ -160,13 +157,11 @@ def ours_vs_transformers(run: Run) -> dict:
         hf, ours = run.model(name)
         n_new = _new_tokens(run, hf)
         prompt = run.prompt(name, 8)
-        fns = {"transformers generate": lambda: hf_greedy(hf, prompt, n_new),
-               "kvlab cached_generate": lambda: cached_generate(hf, prompt, n_new),
-               "kvlab hand-built GPT-2": lambda: gpt2.generate(ours, prompt, n_new)}
+        fns, _ = G.roster(hf, ours, prompt, n_new)
         # A fast wrong generator is not a result: record whether each gives transformers' tokens.
-        first_diff = harness.token_check(fns, "transformers generate")
+        first_diff = harness.token_check(fns, G.TRANSFORMERS)
         t = run.compare(fns, warmup=0)      # the correctness pass above was the warm-up
-        base = t["transformers generate"]
+        base = t[G.TRANSFORMERS]
         for k, tk in t.items():
             rows.append(dict(model=name, generator=k, new_tokens=n_new, median_s=rounded(tk.median),
                              tokens_per_s=rounded(n_new / tk.median, 4),

@@ -4,10 +4,10 @@ The book's results page (``book/results.md``) renders every committed ``results/
 these functions, grouped by machine, each labelled with where and when it was recorded; the
 report's ``--figure`` option draws the same panels into a PNG.
 
-    recorded = load_all()                  # every results/*.json, validated
+    recorded = read_all()                  # every results/*.json, validated
     for machine, runs in by_machine(recorded).items():
         for r in runs:
-            show(r)                        # caption, one table per section, the figure
+            show_run(r)                        # caption, one table per section, the figure
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ PLOTS = {
 # Reading
 
 
-def load(path) -> dict:
+def read_run(path) -> dict:
     """One result file, checked: a malformed file is a ``ValueError`` that names it and the fix."""
     path = Path(path)
     try:
@@ -83,9 +83,9 @@ def load(path) -> dict:
     return result
 
 
-def load_all(folder=RESULTS_DIR) -> list[dict]:
+def read_all(folder=RESULTS_DIR) -> list[dict]:
     """Every ``*.json`` under ``folder``, by machine then date."""
-    found = [load(p) for p in sorted(Path(folder).glob("*.json"))]
+    found = [read_run(p) for p in sorted(Path(folder).glob("*.json"))]
     return sorted(found, key=lambda r: (machine(r), r["provenance"]["date"]))
 
 
@@ -190,7 +190,7 @@ def _plottable(result) -> list[str]:
     return [k for k in PLOTS if result["sections"].get(k, {}).get("rows")]
 
 
-def figure(result, fresh: bool = False):
+def run_figure(result, fresh: bool = False):
     """One panel per plottable section, the caption along the bottom; ``None`` if nothing to plot."""
     import matplotlib.pyplot as plt
 
@@ -233,20 +233,20 @@ def save_figure(result, path) -> None:
     matplotlib.use("Agg", force=False)
     import matplotlib.pyplot as plt
 
-    fig = figure(result)
+    fig = run_figure(result)
     if fig is None:
         return
     fig.savefig(path, dpi=100)
     plt.close(fig)
 
 
-def show(result, fresh: bool = False) -> None:
+def show_run(result, fresh: bool = False) -> None:
     """In a notebook: the tables as Markdown, then the figure."""
     import matplotlib.pyplot as plt
     from IPython.display import Markdown, display
 
     display(Markdown(markdown(result, fresh)))
-    fig = figure(result, fresh)
+    fig = run_figure(result, fresh)
     if fig is not None:
         display(fig)
         plt.close(fig)

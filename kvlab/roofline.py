@@ -74,7 +74,7 @@ def weight_bytes(model) -> int:
     return sum(p.numel() * p.element_size() for p in _params(model))
 
 
-def _lm_head(model) -> torch.Tensor:
+def lm_head(model) -> torch.Tensor:
     """The ``[vocab, hidden]`` matrix that turns the last hidden state into logits."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if head is not None:
@@ -84,10 +84,10 @@ def _lm_head(model) -> torch.Tensor:
     raise ValueError(f"cannot find the LM head of {type(model).__name__}")
 
 
-def _lookup_tables(model) -> list[torch.Tensor]:
+def lookup_tables(model) -> list[torch.Tensor]:
     """The tables a step only indexes (every ``nn.Embedding``: the input embedding, a learned
     position table), except a tied LM head, which is read in full to make the logits."""
-    head, found = _lm_head(model), []
+    head, found = lm_head(model), []
     for m in model.modules():
         if isinstance(m, torch.nn.Embedding) and m.weight is not head and all(m.weight is not t for t in found):
             found.append(m.weight)
@@ -96,7 +96,7 @@ def _lookup_tables(model) -> list[torch.Tensor]:
 
 def lookup_bytes(model) -> int:
     """Bytes of the look-up tables (whole): what the convention replaces by the rows a step reads."""
-    return sum(t.numel() * t.element_size() for t in _lookup_tables(model))
+    return sum(t.numel() * t.element_size() for t in lookup_tables(model))
 
 
 def lookup_share(model) -> float:
@@ -112,7 +112,7 @@ def weight_read_bytes(model, rows: int) -> int:
     each look-up table (one gathered row per token, a repeated token counted again: the count
     stays linear in the batch, which :func:`critical_batch` relies on)."""
     rows = check_count(rows, "rows")
-    tables = _lookup_tables(model)
+    tables = lookup_tables(model)
     rows_read = sum(rows * t[0].numel() * t.element_size() for t in tables)
     return weight_bytes(model) - lookup_bytes(model) + rows_read
 
@@ -120,7 +120,7 @@ def weight_read_bytes(model, rows: int) -> int:
 def matmul_weights(model) -> int:
     """Number of weights used in matrix products: every 2-D weight of a Linear / Conv1D, and the LM
     head once. Embedding look-ups (a row read, no arithmetic) are left out."""
-    head = _lm_head(model)
+    head = lm_head(model)
     seen, n = {id(head)}, head.numel()
     for module in model.modules():
         w = getattr(module, "weight", None)
@@ -155,7 +155,7 @@ def step_bytes(model, tokens: int, logit_rows: int, cached: int) -> int:
                                   check_count(cached, "cached"))
     if logit_rows > tokens:
         raise ValueError(f"logit_rows ({logit_rows}) cannot exceed tokens ({tokens})")
-    head = _lm_head(model)
+    head = lm_head(model)
     skip_head = 0 if logit_rows else head.numel() * head.element_size()
     return weight_read_bytes(model, tokens) - skip_head + cached * _per_token_kv(model)
 
@@ -172,7 +172,7 @@ def step_flops(model, tokens: int, logit_rows: int, attended: int) -> int:
     cfg = _config(model)
     n_layer, _, head_dim = kv_dims(cfg)
     n_head = config_field(cfg, "num_attention_heads", "n_head")      # every QUERY head scores the keys
-    head = _lm_head(model).numel()
+    head = lm_head(model).numel()
     return (2 * tokens * (matmul_weights(model) - head) + 2 * logit_rows * head
             + 4 * n_layer * n_head * head_dim * attended)
 
@@ -210,11 +210,6 @@ def _rate(value, what: str) -> float:
     return value
 
 
-def _whole(value, what: str, minimum: int = 0) -> int:
-    """``value`` as an int >= ``minimum`` (not a bool, not a float), or a ValueError naming ``what``."""
-    if isinstance(value, bool):
-        raise ValueError(f"{what} must be an int >= {minimum}, got {value!r}")
-    return check_int(value, what, minimum)
 
 
 def step_time_floor(model, batch_size: int, seq_len: int, bandwidth: float, flops: float) -> float:
@@ -258,8 +253,8 @@ def generation_floor(model, batch_size: int, prompt_len: int, new_tokens: int, b
     """Floor of a whole greedy generation: one step per new token, the ``i``-th at ``prompt_len + i``
     cached positions (the prefill is priced as one step: it too reads every weight once)."""
     bandwidth, flops = _rate(bandwidth, "bandwidth (bytes/s)"), _rate(flops, "flops (FLOP/s)")
-    batch_size, prompt_len = _whole(batch_size, "batch_size", 1), _whole(prompt_len, "prompt_len")
-    new_tokens = _whole(new_tokens, "new_tokens")
+    batch_size, prompt_len = check_int(batch_size, "batch_size", 1), check_int(prompt_len, "prompt_len", 0)
+    new_tokens = check_int(new_tokens, "new_tokens", 0)
     # both counts are linear in seq_len: take the intercept and slope once, not a model walk per step
     b0, f0 = decode_step_bytes(model, batch_size, 0), decode_step_flops(model, batch_size, 0)
     db = decode_step_bytes(model, batch_size, 1) - b0
@@ -288,7 +283,7 @@ def critical_batch(model, seq_len: int, bandwidth: float, flops: float, limit: i
     FLOPs (``b / bandwidth >= f / flops``: long contexts, whose attention reads the cache at a
     constant :func:`attention_intensity`) no batch is compute-bound."""
     bandwidth, flops = _rate(bandwidth, "bandwidth"), _rate(flops, "flops")
-    limit = _whole(limit, "limit (the largest batch to try)", 1)
+    limit = check_int(limit, "limit (the largest batch to try)", 1)
     w = decode_step_bytes(model, 1, seq_len)
     b, f = decode_step_bytes(model, 2, seq_len) - w, decode_step_flops(model, 1, seq_len)
     w -= b                                         # the part read once whatever the batch

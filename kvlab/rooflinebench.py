@@ -18,8 +18,8 @@ import sys
 
 import torch
 
+from . import generators as G
 from . import gpt2, harness, probes, progress, roofline, timing
-from .reference import cached_generate, hf_greedy
 from .catalogue import GPT2_SIZES
 from .configs import context_length
 
@@ -46,18 +46,11 @@ def step_fn(model, batch_size: int, seq_len: int, seed: int = 0):
         cache = model.new_cache(batch_size, max_len=seq_len + 1)
         if seq_len:
             model(ids[:, :seq_len], cache, last_only=True)        # prefill once
-
-        return harness.rewinding_step(model, cache, ids[:, seq_len:], seq_len)   # every call: the same step
-    cache = DynamicCache(config=model.config)
-    if seq_len:
-        model(ids[:, :seq_len], cache=cache, use_cache=True)
-
-    def step():
-        with torch.no_grad():
-            out = model(ids[:, seq_len:], cache=cache, use_cache=True, logits_to_keep=1)
-            cache.crop(-1)                     # drop the position this step appended
-            return out
-    return step
+    else:
+        cache = DynamicCache(config=model.config)
+        if seq_len:
+            model(ids[:, :seq_len], cache=cache, use_cache=True)
+    return harness.rewinding_step(model, cache, ids[:, seq_len:], seq_len)   # every call: the same step
 
 
 def step_time(model, batch_size: int, seq_len: int, repeats: int = 5) -> float:
@@ -68,9 +61,6 @@ def step_time(model, batch_size: int, seq_len: int, repeats: int = 5) -> float:
 # ---------------------------------------------------------------------------------------------------
 # Whole generators against the floor
 
-GENERATORS = ("transformers generate", "kvlab cached_generate", "hand-built GPT-2")
-
-
 def generators_vs_floor(hf, prompt_len: int, new_tokens: int, threads_list=(None,), repeats: int = 3,
                         ours=None) -> list[dict]:
     """Time the book's three greedy generators on ``hf`` at each CPU thread count (``None``: leave
@@ -80,9 +70,7 @@ def generators_vs_floor(hf, prompt_len: int, new_tokens: int, threads_list=(None
     ours = ours or gpt2.GPT2.from_hf(hf)
     g = torch.Generator().manual_seed(1)
     prompt = torch.randint(0, hf.config.vocab_size, (1, prompt_len), generator=g).to(device)
-    runs = dict(zip(GENERATORS, (lambda: hf_greedy(hf, prompt, new_tokens),
-                                 lambda: cached_generate(hf, prompt, new_tokens),
-                                 lambda: gpt2.generate(ours, prompt, new_tokens))))
+    runs, _ = G.roster(hf, ours, prompt, new_tokens)
     harness.same_tokens(runs)                   # a fast wrong generator is not a result
     rows = []
     for threads in threads_list:
@@ -117,7 +105,7 @@ _CATEGORIES = {
 
 
 @contextlib.contextmanager
-def _quiet_fd2():
+def quiet_stderr():
     """Silence file descriptor 2 for a moment: kineto writes a 'profiler_start/stop' line straight to
     it from C++ at every profile, which Python's sys.stderr cannot intercept."""
     sys.stderr.flush()
@@ -148,7 +136,7 @@ def profile_step(model, batch_size: int, seq_len: int, steps: int = 5) -> dict[s
         fn()
     cuda = device.type == "cuda"
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    with _quiet_fd2(), profile(activities=acts) as prof:
+    with quiet_stderr(), profile(activities=acts) as prof:
         for _ in range(steps):
             with record_function("kvlab::decode_step"):
                 fn()

@@ -5,7 +5,7 @@ Presentation only: nothing here times or runs a model.
 
 from __future__ import annotations
 from . import plots
-from .rooflinebench import GENERATORS
+from .generators import EAGER as GENERATORS
 from .tables import show
 from . import verdicts
 from . import results
@@ -201,7 +201,7 @@ def recorded_sentence(what: str = "Recorded runs on GPUs") -> str:
     """Whether any GPU run is committed under ``results/``, in words: the chapters point at the
     results page only for what is really there."""
 
-    gpus = sorted({results.machine(r) for r in results.load_all()
+    gpus = sorted({results.machine(r) for r in results.read_all()
                    if r["provenance"]["device"].get("device") == "cuda"})
     if not gpus:
         return (f"{what}: none is committed yet. The results page will render each one once it is "

@@ -22,8 +22,8 @@ import torch
 from . import progress
 from .serving.reference import References
 from .paged import BlockAllocator, blocks_for
-from .paged_cache import PagedKVCache
-from .roofline import _lm_head, cache_read_bytes, matmul_weights, weight_bytes
+from .paged_cache import PagedPool
+from .roofline import lm_head, cache_read_bytes, matmul_weights, weight_bytes
 from .serving import BlockManager, Engine, Runner, Sequence, Status
 from .timing import Timing, compare
 from .verdicts import NOISE, on, told_apart
@@ -138,7 +138,7 @@ def step_floor(model, tokens: int, logit_rows: int, keys: int, pairs: int, bandw
     ``logit_rows`` rows that get logits only, and of attention over ``pairs`` (query, key) pairs."""
 
     cfg = model.config
-    head = _lm_head(model).numel()
+    head = lm_head(model).numel()
     fl = 2 * tokens * (matmul_weights(model) - head) + 2 * logit_rows * head + 4 * cfg.n_layer * cfg.n_embd * pairs
     by = weight_bytes(model) + cache_read_bytes(model, 1, keys)
     return max(by / bandwidth, fl / flops)
@@ -165,7 +165,7 @@ def prepared_steps(model, rows: int, context: int, prompt_len: int, block_size: 
 
     nb = rows * blocks_for(context + 1, block_size) + blocks_for(prompt_len, block_size)
     bm = BlockManager(nb, block_size, prefix_caching=False)
-    runner, rng, vocab = Runner(model, PagedKVCache.for_model(model, nb, block_size), gather), random.Random(0), \
+    runner, rng, vocab = Runner(model, PagedPool.for_model(model, nb, block_size), gather), random.Random(0), \
         model.config.vocab_size
     decode = []
     for i in range(rows):

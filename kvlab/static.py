@@ -31,7 +31,7 @@ from .cache import EMPTY, Cache
 from .validate import check_inputs, check_max_len
 
 
-class StaticCache(Cache):
+class StaticKVCache(Cache):
     """Chapter 3's cache interface, with fixed shapes and a position held in a tensor (chapter 8).
 
     Per layer, keys and values live in buffers ``[batch, heads, max_len, head_dim]`` allocated once,
@@ -44,6 +44,8 @@ class StaticCache(Cache):
     :func:`kvlab.cache.visible` hides them. ``seq_len`` reads ``position`` back as an int, for code
     outside the compiled step.
     """
+
+    bookkeeping = ("slot_pos", "position")
 
     def __init__(self, n_layer: int, batch_size: int, n_head: int, head_dim: int, max_len: int,
                  dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
@@ -169,7 +171,9 @@ def static_attention_explicit(q, k, v, pos):
 class Lab8Cache(Cache):
     """A learner's lab-8 cache, ``update(layer, k, v, pos) -> (keys, values)`` (the full buffers, written
     at slots ``pos .. pos+T-1``, ``pos`` a 0-d tensor), in the one interface. The adapter owns the one
-    position counter (a 0-d tensor, like :class:`StaticCache`); slot ``j`` holds position ``j``."""
+    position counter (a 0-d tensor, like :class:`StaticKVCache`); slot ``j`` holds position ``j``."""
+
+    bookkeeping = ("slot_pos", "position")
 
     def __init__(self, inner, n_layer: int, max_len: int, device):
         self.inner, self.n_layer, self.max_len = inner, n_layer, max_len
@@ -183,8 +187,8 @@ class Lab8Cache(Cache):
             self.position.add_(k.shape[2])
         return keys, values, self.slot_pos
 
-    next_positions = StaticCache.next_positions
-    check_room = StaticCache.check_room
+    next_positions = StaticKVCache.next_positions
+    check_room = StaticKVCache.check_room
 
     def reset(self):
         self.inner.reset()
@@ -194,7 +198,7 @@ class Lab8Cache(Cache):
         self._check_rewind(length)
         self.position.fill_(length)
 
-    seq_len = StaticCache.seq_len
+    seq_len = StaticKVCache.seq_len
 
     @property
     def nbytes(self):
@@ -233,8 +237,8 @@ class StaticDecoder:
         self.batch_size = batch_size
         self.max_len = check_max_len(max_len, cfg.n_positions)   # 0 is an error, not "the whole context"
         sizes = (cfg.n_layer, batch_size, cfg.n_head, cfg.head_dim, self.max_len, p.dtype, p.device)
-        if cache_cls is None or cache_cls is StaticCache:
-            self.cache = StaticCache(*sizes)
+        if cache_cls is None or cache_cls is StaticKVCache:
+            self.cache = StaticKVCache(*sizes)
         else:
             inner = cache_cls(*sizes)
             mark_static(list(_tensors_of(inner)))
@@ -312,6 +316,6 @@ def _tensors_of(obj):
 
 
 # ---------------------------------------------------------------------------------------------------
-# transformers' way: StaticCache + torch.compile inside generate
+# transformers' way: StaticKVCache + torch.compile inside generate
 
 

@@ -8,7 +8,7 @@
     verdicts: small functions that turn the measured rows into the chapter's sentences
 
 Compiled variants are timed after their first call, whose cost (compilation, and on a GPU the
-recording of the CUDA graph) is measured on its own with :func:`kvlab.static.time_first_call`.
+recording of the CUDA graph) is measured on its own with :func:`time_first_call`.
 """
 
 from __future__ import annotations
@@ -22,15 +22,13 @@ import time
 import torch
 import torch.nn.functional as F
 
-from . import gpt2, harness, probes, reference, roofline, rooflinebench, static, timing
-from .reference import hf_greedy
+from . import generators as G
+from . import gpt2, harness, probes, roofline, rooflinebench, static, timing
 from .provenance import device_name
 
 # The four generators, and for each compiled one the eager one it replaces.
-EAGER_HF, COMPILED_HF = "transformers, eager", "transformers, static + compiled"
-EAGER_OURS, COMPILED_OURS = "ours, eager", "ours, static + compiled"
-VARIANTS = (EAGER_HF, COMPILED_HF, EAGER_OURS, COMPILED_OURS)
-TWIN = {COMPILED_HF: EAGER_HF, COMPILED_OURS: EAGER_OURS}
+# Chapter 8's four generators (kvlab.generators' names), each compiled one beside the eager one it replaces.
+VARIANTS = (G.TRANSFORMERS, G.TRANSFORMERS_COMPILED, G.HAND_BUILT, G.HAND_BUILT_COMPILED)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -72,17 +70,10 @@ def graphs_compiled(model: gpt2.GPT2, prompt, steps: int, how: str) -> dict:
 # The four generators against the floor
 
 
-def _generators(hf, ours, prompt, new_tokens, device):
-    config = reference.hf_compile_config(device)
-    dec = static.StaticDecoder(ours, max_len=prompt.shape[1] + new_tokens).compile()
-    return dec, dict(zip(VARIANTS, (lambda: hf_greedy(hf, prompt, new_tokens),
-                               lambda: reference.hf_static_generate(hf, prompt, new_tokens, config),
-                               lambda: gpt2.generate(ours, prompt, new_tokens),
-                               lambda: dec.generate(prompt, new_tokens))))
 
 
 def _check_tokens(runs, hf, prompt_len, new_tokens) -> None:
-    harness.same_tokens(runs, EAGER_HF)    # a fast wrong generator is not a result
+    harness.same_tokens(runs, G.TRANSFORMERS)    # a fast wrong generator is not a result
     print(f"{getattr(hf, 'kvlab_name', '?')}: all {len(runs)} generators give transformers' greedy "
           f"tokens ({new_tokens} new after a prompt of {prompt_len})")
 
@@ -99,11 +90,11 @@ def _rows(hf, res, first, matvec, m, prompt_len, new_tokens, dec) -> list[dict]:
                  break_even=None, matvec_per_token=matvec, weight_s=roofline.weight_read_bytes(hf, 1) / bw,
                  static_floor=static_floor(hf, prompt_len + n, bw, fl), timing=t, bandwidth=bw,
                  achieved=roofline.achieved_bandwidth(hf, 1, prompt_len, n, t.median))
-        if name == COMPILED_OURS:     # kept for step_breakdown: the profile reuses this compilation
+        if name == G.HAND_BUILT_COMPILED:     # kept for step_breakdown: the profile reuses this compilation
             r.update(decoder=dec, part_floors=part_floors(hf, 1, prompt_len + n, bw, fl))
-        if name in TWIN:
+        if name in G.EAGER_OF:
             r["compile_s"] = compile_seconds(first[name], t.median)
-            r["break_even"] = break_even_tokens(r["compile_s"], res[TWIN[name]].median / n,
+            r["break_even"] = break_even_tokens(r["compile_s"], res[G.EAGER_OF[name]].median / n,
                                                        t.median / n)
         rows.append(r)
     return rows
@@ -122,8 +113,8 @@ def measure(hf, prompt_len: int, new_tokens: int, threads: int | None = None, re
     torch._dynamo.reset()                  # compile from scratch: the first calls below pay for it
     g = torch.Generator().manual_seed(1)
     prompt = torch.randint(0, hf.config.vocab_size, (1, prompt_len), generator=g).to(device)
-    dec, runs = _generators(hf, ours, prompt, new_tokens, device)
-    first = {name: time_first_call(runs[name], device) for name in TWIN}
+    runs, dec = G.roster(hf, ours, prompt, new_tokens, VARIANTS)
+    first = {name: time_first_call(runs[name], device) for name in G.COMPILED}
     _check_tokens(runs, hf, prompt_len, new_tokens)
     m = probes.machine(device, roofline.model_dtype(hf), verbose=False)
     products = matvec_fn(ours)             # timed with the generators, under the same conditions
@@ -247,8 +238,8 @@ def profile_compiled_step(dec, steps: int = 5, rounds: int = 3) -> dict[str, tim
     in place), so it runs as often as needed and reads all ``max_len`` slots like any other step."""
     from torch.profiler import ProfilerActivity, profile, record_function
 
-    if not getattr(dec, "compiled", False) or not isinstance(dec.cache, static.StaticCache):
-        raise ValueError("profile_compiled_step needs a StaticDecoder with its own StaticCache, compiled "
+    if not getattr(dec, "compiled", False) or not isinstance(dec.cache, static.StaticKVCache):
+        raise ValueError("profile_compiled_step needs a StaticDecoder with its own StaticKVCache, compiled "
                          "and run once: StaticDecoder(model, max_len=...).compile(), then .generate(...)")
     cuda, last = dec.ids.device.type == "cuda", dec.max_len - 1
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
@@ -256,7 +247,7 @@ def profile_compiled_step(dec, steps: int = 5, rounds: int = 3) -> dict[str, tim
     _unprofiled(dec, 1, last, cuda)                  # one step first: nothing one-off lands in a sample
     for _ in range(rounds):
         samples["unprofiled"].append(_unprofiled(dec, steps, last, cuda))
-        with rooflinebench._quiet_fd2(), profile(activities=acts) as prof:
+        with rooflinebench.quiet_stderr(), profile(activities=acts) as prof:
             for _ in range(steps):
                 dec.cache.position.fill_(last)
                 with record_function(_STEP):

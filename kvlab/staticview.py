@@ -6,7 +6,8 @@ Presentation only: nothing here times or runs a model.
 from __future__ import annotations
 import torch
 from . import plots, verdicts
-from .staticbench import COMPILED_OURS, EAGER_HF, TWIN, VARIANTS
+from . import generators as G
+from .staticbench import VARIANTS
 from .tables import show
 
 
@@ -28,7 +29,7 @@ def plot_rows(rows: list[dict], ax) -> None:
     """Measured ms per token (bars) and the floor (black ticks), one group per model."""
     plots.bars_against_floor(ax, rows, lambda r: (r["model"], r["threads"]), "generator", VARIANTS,
                              lambda g: f"{g[0]}\n{g[1]} thread{'s' * (g[1] > 1)}",
-                             "eager and compiled, against the floor", hatched=set(TWIN))
+                             "eager and compiled, against the floor", hatched=set(G.COMPILED))
 
 
 def row(rows, model, generator, threads=None) -> dict:
@@ -39,7 +40,7 @@ def row(rows, model, generator, threads=None) -> dict:
 def fastest_sentence(rows, model) -> str:
     mine = [r for r in rows if r["model"] == model]
     best = min(mine, key=lambda r: r["per_token"])
-    base = row(mine, model, EAGER_HF)
+    base = row(mine, model, G.TRANSFORMERS)
     where = f"{best['threads']} thread{'s' * (best['threads'] > 1)}, {best['device']}"
     rival = min((r for r in mine if r is not best), key=lambda r: r["per_token"])
     told = verdicts.told_apart(best["timing"], rival["timing"])
@@ -53,7 +54,7 @@ def fastest_sentence(rows, model) -> str:
 
 def compile_sentence(rows, model) -> str:
     parts = []
-    for name, twin in TWIN.items():
+    for name, twin in G.EAGER_OF.items():
         r, e = row(rows, model, name), row(rows, model, twin)
         speed = e["per_token"] / r["per_token"]
         when = (f"pays for its {r['compile_s']:.1f} s of compilation after about "
@@ -69,11 +70,11 @@ def question_sentences(rows, tiny="kvlab-tiny", big="shape:gpt2") -> list[str]:
     model on one thread comes to the read probe's bandwidth."""
     out = []
     if any(r["model"] == tiny for r in rows):
-        e, c = row(rows, tiny, EAGER_HF), row(rows, tiny, COMPILED_OURS)
+        e, c = row(rows, tiny, G.TRANSFORMERS), row(rows, tiny, G.HAND_BUILT_COMPILED)
         out.append(f"How much faster than transformers' eager generate is the compiled hand-built decode of "
-                   f"{tiny}? " + verdicts.faster(c["timing"], e["timing"], c["device"], COMPILED_OURS, EAGER_HF) + ".")
+                   f"{tiny}? " + verdicts.faster(c["timing"], e["timing"], c["device"], G.HAND_BUILT_COMPILED, G.TRANSFORMERS) + ".")
     if any(r["model"] == big and r["threads"] == 1 for r in rows):
-        r = row(rows, big, COMPILED_OURS, threads=1)
+        r = row(rows, big, G.HAND_BUILT_COMPILED, threads=1)
         out.append(f"How close does the compiled decode of {big} on one thread come to what memory can "
                    f"stream? {r['achieved'] / 1e9:.1f} GB/s, {r['achieved'] / r['bandwidth']:.0%} of the read "
                    f"probe, {r['ratio']:.2f}x the floor.")
@@ -82,7 +83,7 @@ def question_sentences(rows, tiny="kvlab-tiny", big="shape:gpt2") -> list[str]:
 
 def remains_sentences(rows, model) -> list[str]:
     """What the compiled hand-built step of ``model`` spends above the floor, from the measured rows."""
-    r = row(rows, model, COMPILED_OURS)
+    r = row(rows, model, G.HAND_BUILT_COMPILED)
     step, mv, rest = r["per_token"], r["matvec_per_token"], max(r["per_token"] - r["matvec_per_token"], 0)
     slots = r["prompt_len"] + r["new_tokens"]
     return [

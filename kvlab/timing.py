@@ -22,7 +22,7 @@ from typing import Callable
 import torch
 import torch.utils.benchmark as benchmark
 
-from .progress import bar as tqdm   # no frozen bar in a page built unwatched
+from .progress import bar   # no frozen bar in a page built unwatched
 
 
 #: ``KVLAB_QUICK=1`` (set by ``make test``) shrinks every measurement grid so the whole test suite
@@ -94,7 +94,7 @@ def compare(fns: dict[str, Callable[[], object]], warmup: int = 1, repeats: int 
             fn()
     out = {k: Timing(k) for k in fns}
     rounds = range(repeats)
-    for _ in tqdm(rounds, desc="timing rounds", leave=False) if progress else rounds:
+    for _ in bar(rounds, desc="timing rounds", leave=False) if progress else rounds:
         for k, fn in fns.items():
             out[k].samples.append(_one_run(fn, threads))
     return out

@@ -41,7 +41,7 @@ def check_vocab(model, input_ids: torch.Tensor) -> None:
                          "(kvlab-tiny and GPT-2 have different vocabularies)")
 
 
-def _is_int(x) -> bool:
+def is_int(x) -> bool:
     """An integer that is not a bool (True is an int to Python, never a count or an id to us)."""
     return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
@@ -53,13 +53,13 @@ def check_context(total: int, limit: int | None, what: str,
     There is no position embedding beyond the context, so nothing is truncated for the caller: the
     error names what went past it (``what``) and how to fix it (``fix``)."""
     if limit is not None and total > limit:
-        raise ValueError(f"{what} = {total} exceeds the model's context of n_positions={limit} (GPT-2 has "
-                         f"no position embedding beyond it): {fix}")
+        raise ValueError(f"{what} = {total} exceeds the model's context of {limit} positions "
+                         f"(n_positions={limit}: GPT-2 has no position embedding beyond it); {fix}")
 
 
 def check_budget(model, prompt_len: int, max_new_tokens: int, what: str = "prompt") -> None:
     """``max_new_tokens`` must be an int >= 0, and ``prompt_len + max_new_tokens`` fit the context."""
-    if not _is_int(max_new_tokens) or max_new_tokens < 0:
+    if not is_int(max_new_tokens) or max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be a non-negative int (a count of tokens), got "
                          f"{max_new_tokens!r}; pass e.g. max_new_tokens=20")
     check_context(prompt_len + max_new_tokens, configs.context_length(model),
@@ -88,7 +88,7 @@ def check_prompt(prompt, vocab_size: int | None = None) -> list[int]:
     if isinstance(prompt, (str, bytes)) or not isinstance(prompt, (list, tuple)):
         raise ValueError(f"a prompt must be a list of int token ids, got {type(prompt).__name__}; "
                          "encode text first: tokenizer(text).input_ids")
-    bad = next((x for x in prompt if not _is_int(x)), None)
+    bad = next((x for x in prompt if not is_int(x)), None)
     if bad is not None:
         raise ValueError(f"token ids must be ints, got {bad!r} ({type(bad).__name__}) in the prompt; "
                          "nothing is rounded or truncated for you: pass tokenizer(text).input_ids")
@@ -100,16 +100,16 @@ def check_prompt(prompt, vocab_size: int | None = None) -> list[int]:
     return [int(x) for x in prompt]
 
 
-def _counts(**counts) -> None:
+def check_counts(**counts) -> None:
     """Each named value must be an int >= 0 (a count of tokens or positions)."""
     for what, n in counts.items():
-        if not _is_int(n) or n < 0:
+        if not is_int(n) or n < 0:
             raise ValueError(f"{what} must be an int >= 0 (a count of tokens), got {n!r}")
 
 
 def check_token_id(token_id, vocab_size: int | None = None, what: str = "eos_token_id") -> int:
     """One token id (an end-of-text id, say): an int in ``[0, vocab_size)``, not a list or a bool."""
-    if not _is_int(token_id):
+    if not is_int(token_id):
         if isinstance(token_id, (list, tuple)):
             raise ValueError(f"{what} must be one int token id, got the {type(token_id).__name__} "
                              f"{token_id!r}; kvlab stops at a single id: pass e.g. tokenizer.eos_token_id")
@@ -126,7 +126,7 @@ def check_max_len(max_len, n_positions: int) -> int:
     (``n_positions``); otherwise an int with ``1 <= max_len <= n_positions``."""
     if max_len is None:
         return n_positions
-    if not _is_int(max_len) or max_len < 1:
+    if not is_int(max_len) or max_len < 1:
         raise ValueError(f"max_len must be an int >= 1 (the prompt plus the new tokens the cache must "
                          f"hold), got {max_len!r}; pass max_len=None for the model's whole context "
                          f"({n_positions} positions)")
@@ -135,13 +135,16 @@ def check_max_len(max_len, n_positions: int) -> int:
 
 
 def check_int(value, what: str, minimum: int = 1) -> int:
-    """``value`` as an int >= ``minimum``, or a ValueError naming ``what``."""
+    """``value`` as an int >= ``minimum``, or a ValueError naming ``what``: the one integer rule.
+
+    Ints and numpy ints only: 12.5 layers is a bug upstream, and ``True`` is not 1 (a bool passed as a
+    count is almost always a flag in the wrong argument)."""
     try:
-        n = operator.index(value)   # ints (and numpy ints) only: 12.5 layers is a bug upstream
+        n = None if isinstance(value, bool) else operator.index(value)
     except TypeError:
-        raise ValueError(f"{what} must be an integer, got {value!r}") from None
-    if n < minimum:
-        raise ValueError(f"{what} must be >= {minimum}, got {n}")
+        n = None
+    if n is None or n < minimum:
+        raise ValueError(f"{what} must be an int >= {minimum}, got {value!r}")
     return n
 
 

@@ -4,7 +4,7 @@
 #   bash scripts/import_results.sh PATH/report.json [NAME]
 #
 # NAME defaults to <device>-<date>, e.g. nvidia-h200-2026-12-01 (results/NAME.json). The file is
-# checked first (kvlab.results.load: schema and provenance) and refused if it is over 300 KB.
+# checked first (kvlab.results.read_run: schema and provenance) and refused if it is over 300 KB.
 # Only the JSON is copied: the page draws the figures from it, and logs stay out of git.
 set -euo pipefail
 SRC=${1:?usage: bash scripts/import_results.sh PATH/report.json [NAME]}
@@ -17,7 +17,7 @@ import sys
 from kvlab import results
 
 src, name = sys.argv[1], sys.argv[2]
-r = results.load(src)                              # a malformed file stops here, saying why
+r = results.read_run(src)                              # a malformed file stops here, saying why
 if not name:
     device = r["provenance"]["device"]["name"]
     name = f"{device}-{r['provenance']['date'][:10]}" + ("-quick" if r.get("quick") else "")

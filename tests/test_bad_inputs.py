@@ -370,7 +370,7 @@ def test_quantize_refuses_integers_and_empty_tensors():
 
 def test_pack_refuses_codes_that_do_not_fit():
     raises(ValueError, lambda: quant.pack(torch.tensor([200, 3], dtype=torch.uint8), 4), "at most 15", "200")
-    raises(ValueError, lambda: quant.pack_2bit(torch.tensor([4, 0, 0, 0], dtype=torch.uint8)), "at most 3")
+    raises(ValueError, lambda: quant.pack(torch.tensor([4, 0, 0, 0], dtype=torch.uint8), 2), "at most 3")
     raises(ValueError, lambda: quant.pack(torch.zeros(200, 3, dtype=torch.uint8), 4), "multiple of 2")
     raises(ValueError, lambda: quant.pack(torch.tensor(3, dtype=torch.uint8), 4), "0-d")
     raises(ValueError, lambda: quant.unpack(torch.zeros(4, dtype=torch.long), 4), "uint8")
@@ -415,12 +415,12 @@ def test_calculator_refuses_what_it_would_coerce():
 
 # ---- the caches' own boundaries (paged reserve, static decoder and buffer) -------------------------
 
-def _paged_state(c: paged_cache.PagedKVCache):
+def _paged_state(c: paged_cache.PagedPool):
     return dict(c.lengths), c.num_free, {s: c.allocator.block_table(s) for s in c.lengths}, c.copies
 
 
 def test_paged_reserve_is_all_or_nothing():
-    c = paged_cache.PagedKVCache(1, 1, 2, num_blocks=3, block_size=2)
+    c = paged_cache.PagedPool(1, 1, 2, num_blocks=3, block_size=2)
     c.reserve("a", 2)
     before = _paged_state(c)
     raises(ValueError, lambda: c.reserve("a", -3), "n (tokens to reserve)", ">= 0")
@@ -433,7 +433,7 @@ def test_paged_reserve_is_all_or_nothing():
 
 
 def test_paged_reserve_counts_the_copy_of_a_shared_tail():
-    c = paged_cache.PagedKVCache(1, 1, 2, num_blocks=2, block_size=4)
+    c = paged_cache.PagedPool(1, 1, 2, num_blocks=2, block_size=4)
     c.reserve("a", 3)
     c.fork("a", "b")
     c.fork("a", "c")                                  # block 0 shared three ways, partly filled
@@ -444,8 +444,8 @@ def test_paged_reserve_counts_the_copy_of_a_shared_tail():
 
 
 def test_paged_pool_sizes_checked_before_allocating():
-    raises(ValueError, lambda: paged_cache.PagedKVCache(1, 1, 2, num_blocks=3, block_size=0), "block_size", ">= 1")
-    raises(ValueError, lambda: paged_cache.PagedKVCache(1, 1, 2, num_blocks=0, block_size=2), "num_blocks", ">= 1")
+    raises(ValueError, lambda: paged_cache.PagedPool(1, 1, 2, num_blocks=3, block_size=0), "block_size", ">= 1")
+    raises(ValueError, lambda: paged_cache.PagedPool(1, 1, 2, num_blocks=0, block_size=2), "num_blocks", ">= 1")
 
 
 def test_static_decoder_max_len_zero_is_refused(tiny):
@@ -459,7 +459,7 @@ def test_static_decoder_max_len_zero_is_refused(tiny):
 def test_static_cache_write_past_max_len_names_the_fix():
     from kvlab import static
 
-    cache = static.StaticCache(1, 1, 2, 4, 4)
+    cache = static.StaticKVCache(1, 1, 2, 4, 4)
     k = torch.zeros(1, 2, 1, 4)
     for _ in range(4):
         cache.update(0, k, k)

@@ -8,12 +8,12 @@ import torch
 import torch.nn.functional as F
 
 from kvlab.course.checks import check_no_recompile, check_static_attention, check_static_cache
-from kvlab.static import StaticCache, static_attention, static_attention_explicit
+from kvlab.static import StaticKVCache, static_attention, static_attention_explicit
 
 from conftest import expect_rejected, own_copy
 
 # the graders refuse the library's own code: the tests hand in copies, as a learner's would be
-StaticCache = own_copy(StaticCache)
+StaticKVCache = own_copy(StaticKVCache)
 static_attention, static_attention_explicit = own_copy(static_attention), own_copy(static_attention_explicit)
 
 
@@ -59,14 +59,14 @@ class CacheWhere:
 
 # --- caches: wrong ones --------------------------------------------------------------------------------
 
-class CacheSliced(StaticCache):                     # returns only the filled part: shape grows every step
+class CacheSliced(StaticKVCache):                     # returns only the filled part: shape grows every step
     def update(self, layer, k, v, pos=None):
         keys, values = super().update(layer, k, v, pos)
         end = int(pos) + k.shape[2]
         return keys[:, :, :end], values[:, :, :end]
 
 
-class CacheIntPos(StaticCache):                     # the position read back as a Python int
+class CacheIntPos(StaticKVCache):                     # the position read back as a Python int
     def update(self, layer, k, v, pos=None):
         p, T = int(pos), k.shape[2]
         self.keys[layer][:, :, p:p + T] = k
@@ -74,23 +74,23 @@ class CacheIntPos(StaticCache):                     # the position read back as 
         return self.keys[layer], self.values[layer]
 
 
-class CacheResetKeepsKeys(StaticCache):             # reset() forgets the position only
+class CacheResetKeepsKeys(StaticKVCache):             # reset() forgets the position only
     def reset(self):
         self.position.zero_()
 
 
-class CacheResetReallocates(StaticCache):           # reset() makes new buffers
+class CacheResetReallocates(StaticKVCache):           # reset() makes new buffers
     def reset(self):
         self.keys = [torch.zeros_like(t) for t in self.keys]
         self.values = [torch.zeros_like(t) for t in self.values]
 
 
-class CacheRowZeroEverywhere(StaticCache):          # k[0] broadcast over the batch
+class CacheRowZeroEverywhere(StaticKVCache):          # k[0] broadcast over the batch
     def update(self, layer, k, v, pos=None):
         return super().update(layer, k[:1].expand_as(k), v[:1].expand_as(v), pos)
 
 
-class CacheRowShift(StaticCache):                   # row b written b slots late
+class CacheRowShift(StaticKVCache):                   # row b written b slots late
     def update(self, layer, k, v, pos=None):
         T = k.shape[2]
         for b in range(k.shape[0]):
@@ -100,7 +100,7 @@ class CacheRowShift(StaticCache):                   # row b written b slots late
         return self.keys[layer], self.values[layer]
 
 
-class CacheRowZeroOnly(StaticCache):                # only row 0 is written
+class CacheRowZeroOnly(StaticKVCache):                # only row 0 is written
     def update(self, layer, k, v, pos=None):
         slots = pos + torch.arange(k.shape[2])
         self.keys[layer][0].index_copy_(1, slots, k[0])
@@ -108,7 +108,7 @@ class CacheRowZeroOnly(StaticCache):                # only row 0 is written
         return self.keys[layer], self.values[layer]
 
 
-class CacheOwnCounter(StaticCache):                 # ignores pos, keeps a Python counter (lab 3 style)
+class CacheOwnCounter(StaticKVCache):                 # ignores pos, keeps a Python counter (lab 3 style)
     def __init__(self, *args):
         super().__init__(*args)
         self.n = 0
@@ -124,33 +124,33 @@ class CacheOwnCounter(StaticCache):                 # ignores pos, keeps a Pytho
         self.n = 0
 
 
-class CacheGarbage(StaticCache):                    # torch.empty-like: unwritten slots are not zeros
+class CacheGarbage(StaticKVCache):                    # torch.empty-like: unwritten slots are not zeros
     def __init__(self, *args):
         super().__init__(*args)
         for t in self.keys + self.values:
             t.fill_(7.0)
 
 
-class CacheNewTensor(StaticCache):                  # returns a copy: a new tensor every step
+class CacheNewTensor(StaticKVCache):                  # returns a copy: a new tensor every step
     def update(self, layer, k, v, pos=None):
         keys, values = super().update(layer, k, v, pos)
         return keys.clone(), values.clone()
 
 
-class CacheSwapped(StaticCache):
+class CacheSwapped(StaticKVCache):
     def update(self, layer, k, v, pos=None):
         keys, values = super().update(layer, k, v, pos)
         return values, keys
 
 
-class CacheSharedLayers(StaticCache):               # every layer writes the same buffer
+class CacheSharedLayers(StaticKVCache):               # every layer writes the same buffer
     def __init__(self, *args):
         super().__init__(*args)
         self.keys = [self.keys[0]] * self.n_layer
         self.values = [self.values[0]] * self.n_layer
 
 
-class CacheOffByOne(StaticCache):
+class CacheOffByOne(StaticKVCache):
     def update(self, layer, k, v, pos=None):
         return super().update(layer, k, v, pos + 1)
 
@@ -225,7 +225,7 @@ def attention_crashes(q, k, v, pos):
 
 # --- the tests -----------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("impl", [StaticCache, CacheAdvancedIndex, CacheWhere])
+@pytest.mark.parametrize("impl", [StaticKVCache, CacheAdvancedIndex, CacheWhere])
 def test_cache_accepts_correct(impl, capsys):
     check_static_cache(impl)
     assert "PASSED check_static_cache" in capsys.readouterr().out
@@ -276,7 +276,7 @@ def test_attention_rejects(impl, needles):
 # check_no_recompile compiles (aot_eager backend, a few seconds each): the main cases only.
 
 def test_no_recompile_accepts_correct(capsys):
-    check_no_recompile(StaticCache, static_attention)
+    check_no_recompile(StaticKVCache, static_attention)
     check_no_recompile(CacheAdvancedIndex, static_attention_explicit, steps=10)
     out = capsys.readouterr().out
     assert out.count("PASSED check_no_recompile") == 2 and "1 graph compiled" in out
@@ -290,7 +290,7 @@ def attention_for_sliced(q, k, v, pos):            # works with a sliced cache (
     (CacheSliced, attention_for_sliced, ["graph", "slice to the current length"]),
     (CacheIntPos, static_attention, ["graph", "update reads the position"]),
     (CacheOwnCounter, static_attention, ["graph", "counter kept in the cache"]),
-    (StaticCache, attention_int_pos, ["graph", "static_attention reads the position"]),
+    (StaticKVCache, attention_int_pos, ["graph", "static_attention reads the position"]),
 ])
 def test_no_recompile_rejects(cache, attention, needles):
     expect_rejected(lambda c: check_no_recompile(c, attention, steps=12), cache, *needles)
@@ -375,18 +375,18 @@ def attention_zeroes_hidden_values(q, k, v, pos):                 # correct, and
     (attention_zeroes_hidden_values, False, False),
 ])
 def test_hidden_nan_accepts_the_truth(attention, keys, values, capsys):
-    check_hidden_nan(StaticCache, attention, keys, values)
+    check_hidden_nan(StaticKVCache, attention, keys, values)
     assert "PASSED check_hidden_nan" in capsys.readouterr().out
 
 
 def test_hidden_nan_rejects():
-    expect_rejected(lambda a: check_hidden_nan(StaticCache, a, False, False), static_attention_explicit,
+    expect_rejected(lambda a: check_hidden_nan(StaticKVCache, a, False, False), static_attention_explicit,
                     "you predicted a finite output", "0 * NaN = NaN")
-    expect_rejected(lambda a: check_hidden_nan(StaticCache, a, True, True), static_attention_explicit,
+    expect_rejected(lambda a: check_hidden_nan(StaticKVCache, a, True, True), static_attention_explicit,
                     "masked_fill")
     expect_rejected(lambda c: check_hidden_nan(c, static_attention_explicit, False, True), CacheResetKeepsKeys,
                     "zero the buffers in reset()")
-    expect_rejected(lambda a: check_hidden_nan(StaticCache, a, "NaN", True), static_attention_explicit,
+    expect_rejected(lambda a: check_hidden_nan(StaticKVCache, a, "NaN", True), static_attention_explicit,
                     "True")
 
 
@@ -413,18 +413,18 @@ def test_static_generate_rejects_a_changing_layout():
 
 # ------------------------------------------------ issue 24: the unit graders against the kinds
 
-class CacheReturnsList(StaticCache):                # correct: a list [keys, values], as the model accepts
+class CacheReturnsList(StaticKVCache):                # correct: a list [keys, values], as the model accepts
     def update(self, layer, k, v, pos=None):
         return list(super().update(layer, k, v, pos))
 
 
-class CacheOneBuffer(StaticCache):                  # keys and values in one buffer: values over keys
+class CacheOneBuffer(StaticKVCache):                  # keys and values in one buffer: values over keys
     def __init__(self, *args):
         super().__init__(*args)
         self.values = self.keys
 
 
-class CacheToListSlots(StaticCache):                # the slots read back with .tolist()
+class CacheToListSlots(StaticKVCache):                # the slots read back with .tolist()
     def update(self, layer, k, v, pos=None):
         for j, s in enumerate((pos + torch.arange(k.shape[2])).tolist()):
             self.keys[layer][:, :, s] = k[:, :, j]
@@ -432,7 +432,7 @@ class CacheToListSlots(StaticCache):                # the slots read back with .
         return self.keys[layer], self.values[layer]
 
 
-class CacheIteratesSlots(StaticCache):              # iterates over a tensor of slots
+class CacheIteratesSlots(StaticKVCache):              # iterates over a tensor of slots
     def update(self, layer, k, v, pos=None):
         for j, s in enumerate(pos + torch.arange(k.shape[2])):
             self.keys[layer][:, :, s] = k[:, :, j]
@@ -440,7 +440,7 @@ class CacheIteratesSlots(StaticCache):              # iterates over a tensor of 
         return self.keys[layer], self.values[layer]
 
 
-class CacheAdvancesPos(StaticCache):                # moves the caller's position on, in place
+class CacheAdvancesPos(StaticKVCache):                # moves the caller's position on, in place
     def update(self, layer, k, v, pos=None):
         out = super().update(layer, k, v, pos)
         if layer == len(self.keys) - 1:
@@ -448,7 +448,7 @@ class CacheAdvancesPos(StaticCache):                # moves the caller's positio
         return out
 
 
-class CacheOnCpuAlways(StaticCache):                # ignores device=
+class CacheOnCpuAlways(StaticKVCache):                # ignores device=
     def __init__(self, n_layer, batch_size, n_head, head_dim, max_len, dtype=torch.float32, device="cpu"):
         super().__init__(n_layer, batch_size, n_head, head_dim, max_len, dtype, "cpu")
 
@@ -534,6 +534,6 @@ def test_attention_rejects_issue_24(impl, needles):
 def test_library_refused():
     from kvlab import static
 
-    expect_rejected(check_static_cache, static.StaticCache, "kvlab.static.StaticCache", "yourself")
+    expect_rejected(check_static_cache, static.StaticKVCache, "kvlab.static.StaticKVCache", "yourself")
     expect_rejected(check_static_attention, static.static_attention, "kvlab.static.static_attention")
-    expect_rejected(lambda c: check_no_recompile(c, static_attention), static.StaticCache, "library's own")
+    expect_rejected(lambda c: check_no_recompile(c, static_attention), static.StaticKVCache, "library's own")

@@ -14,16 +14,16 @@ import pytest
 import torch
 
 from kvlab.batching import batched_generate, generate_padded, make_batch, one_by_one
-from kvlab.cache import ConcatCache, PreallocatedCache, SlidingWindowCache
+from kvlab.cache import ConcatCache, PreallocatedCache, SlidingWindowKVCache
 from kvlab.reference import cached_generate, hf_greedy, naive_generate
 from kvlab.gpt2 import GPT2, generate, generate_uncached
 from kvlab.harness import rewind_and_regenerate
-from kvlab.paged_cache import PagedCache, PagedKVCache, ragged_forward
-from kvlab.quant_cache import TOLERANCE, AbsmaxFakeInt8Cache, QuantizedCache
-from kvlab.quantbench import compare, score_through_cache
+from kvlab.paged_cache import PagedCache, PagedPool, ragged_forward
+from kvlab.quant_cache import TOLERANCE, AbsmaxFakeInt8Cache, QuantizedKVCache
+from kvlab.quantbench import agreement, score_through_cache
 from kvlab.serving import Engine
 from kvlab.serving.reference import reference_tokens
-from kvlab.static import StaticCache, StaticDecoder
+from kvlab.static import StaticKVCache, StaticDecoder
 
 N = 14   # new tokens per prompt
 
@@ -70,9 +70,9 @@ def single_prompt_generators(hf, ours):
         "chapter 3: no cache": lambda ids, n: generate_uncached(ours, ids, n),
         "chapter 3: preallocated": lambda ids, n: generate(ours, ids, n, cache=PreallocatedCache(*exact(ids, n))),
         "chapter 3: concat": lambda ids, n: generate(ours, ids, n, cache=ConcatCache(L)),
-        "chapter 3: window wider than the text": lambda ids, n: generate(ours, ids, n, cache=SlidingWindowCache(L, 512)),
+        "chapter 3: window wider than the text": lambda ids, n: generate(ours, ids, n, cache=SlidingWindowKVCache(L, 512)),
         "chapter 3: sinks + window wider than the text": lambda ids, n: generate(
-            ours, ids, n, cache=SlidingWindowCache(L, 256, sinks=4)),
+            ours, ids, n, cache=SlidingWindowKVCache(L, 256, sinks=4)),
         "chapter 8: static, eager": lambda ids, n: StaticDecoder(ours, max_len=ids.shape[1] + n).generate(ids, n),
         "chapter 9: paged (block 4)": lambda ids, n: generate(ours, ids, n, cache=PagedCache(*exact(ids, n), block_size=4)),
         "chapter 9: paged (block 1)": lambda ids, n: generate(ours, ids, n, cache=PagedCache(*exact(ids, n), block_size=1)),
@@ -134,7 +134,7 @@ def test_ragged_step_by_hand(setup, prompts, want):
     """The paged cache alone, one ragged step at a time: two prefills in one step, then both decode."""
     _, _, ours = setup
     (a_name, a), (b_name, b) = prompts[0], prompts[5]
-    cache = PagedKVCache.for_model(ours, num_blocks=32, block_size=4)
+    cache = PagedPool.for_model(ours, num_blocks=32, block_size=4)
     logits = ragged_forward(ours, cache, ["a", "b"], [a[0].tolist(), b[0].tolist()])
     out = [[t] for t in logits.argmax(-1).tolist()]
     for _ in range(N - 1):
@@ -154,7 +154,7 @@ def test_left_padded_batches(setup):
     ids, mask, _ = make_batch(tok, TEXTS + ["In"])
     B, T = ids.shape
     L = hf.config.n_layer
-    for cache in (None, ConcatCache(L), SlidingWindowCache(L, 512), StaticCache(*_sizes(ours, B, T + N)),
+    for cache in (None, ConcatCache(L), SlidingWindowKVCache(L, 512), StaticKVCache(*_sizes(ours, B, T + N)),
                   PreallocatedCache(*_sizes(ours, B, T + N))):
         assert generate_padded(ours, ids, mask, N, cache=cache).tolist() == alone, type(cache).__name__
 
@@ -167,11 +167,11 @@ def test_quantized_caches_within_their_stated_tolerance(setup, bits):
     ids = tok(" ".join(TEXTS * 4), return_tensors="pt").input_ids[:, :160]
     sizes = _sizes(ours, 1, ids.shape[1])
     ref = score_through_cache(ours, PreallocatedCache(*sizes), ids, 32)
-    got = score_through_cache(ours, QuantizedCache(*sizes, bits=bits, block=16), ids, 32)
-    q = compare(ref, got, ids[:, 32:])
+    got = score_through_cache(ours, QuantizedKVCache(*sizes, bits=bits, block=16), ids, 32)
+    q = agreement(ref, got, ids[:, 32:])
     tol = TOLERANCE[bits]
     assert q["agree"] >= tol["agree"] and q["kl"] <= tol["kl"], (bits, q)
-    exact = QuantizedCache(*sizes, bits=bits, residual=ids.shape[1])   # nothing ever quantized
+    exact = QuantizedKVCache(*sizes, bits=bits, residual=ids.shape[1])   # nothing ever quantized
     assert torch.equal(generate(ours, ids[:, :20], N, cache=exact), hf_greedy(hf, ids[:, :20], N))
 
 
@@ -180,9 +180,9 @@ def rewindable_caches(model, max_len):
     L, sizes = model.config.n_layer, _sizes(model, 1, max_len)
     return {
         "preallocated": PreallocatedCache(*sizes), "concat": ConcatCache(L),
-        "sliding window": SlidingWindowCache(L, 64), "window + sinks": SlidingWindowCache(L, 40, sinks=4),
-        "static": StaticCache(*sizes), "paged (block 4)": PagedCache(*sizes, block_size=4),
-        "quantized 4-bit, residual 16": QuantizedCache(*sizes, bits=4, block=8, residual=16),
+        "sliding window": SlidingWindowKVCache(L, 64), "window + sinks": SlidingWindowKVCache(L, 40, sinks=4),
+        "static": StaticKVCache(*sizes), "paged (block 4)": PagedCache(*sizes, block_size=4),
+        "quantized 4-bit, residual 16": QuantizedKVCache(*sizes, bits=4, block=8, residual=16),
         "absmax fake int8": AbsmaxFakeInt8Cache(*sizes),
     }
 
@@ -202,11 +202,11 @@ def test_rewind_refuses_what_is_gone(setup, prompts):
     _, _, ours = setup
     ids = prompts[0][1]
     L, sizes = ours.config.n_layer, _sizes(ours, 1, ids.shape[1] + N)
-    narrow = SlidingWindowCache(L, 4)
+    narrow = SlidingWindowKVCache(L, 4)
     generate(ours, ids, N, cache=narrow)
     with pytest.raises(ValueError, match="dropped"):
         narrow.rewind(narrow.seq_len - 2)
-    quant = QuantizedCache(*sizes, bits=4, block=4)
+    quant = QuantizedKVCache(*sizes, bits=4, block=4)
     generate(ours, ids, N, cache=quant)
     with pytest.raises(ValueError, match="quantized"):
         quant.rewind(2)

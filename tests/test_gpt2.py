@@ -4,7 +4,7 @@ import pytest
 import torch
 from transformers import DynamicCache, GPT2Config as HFConfig, GPT2LMHeadModel
 
-from kvlab.cache import ConcatCache, PreallocatedCache, SlidingWindowCache
+from kvlab.cache import ConcatCache, PreallocatedCache, SlidingWindowKVCache
 from kvlab.reference import hf_greedy
 from kvlab.gpt2 import GPT2, attention, generate, generate_uncached, sdpa_attention
 
@@ -110,9 +110,9 @@ def test_preallocated_cache_bookkeeping():
 def test_sliding_window(small):
     ours = GPT2.from_hf(small)
     ids = torch.randint(0, 97, (1, 6), generator=torch.Generator().manual_seed(4))
-    wide = SlidingWindowCache(small.config.n_layer, window=64)      # never drops anything: exact
+    wide = SlidingWindowKVCache(small.config.n_layer, window=64)      # never drops anything: exact
     assert torch.equal(generate(ours, ids, 20, cache=wide), generate(ours, ids, 20))
-    narrow = SlidingWindowCache(small.config.n_layer, window=4)
+    narrow = SlidingWindowKVCache(small.config.n_layer, window=4)
     generate(ours, ids, 20, cache=narrow)
     assert narrow.seq_len == 25 and narrow.keys[0].shape[2] == 4   # positions count on; 4 tokens held
 
@@ -136,7 +136,7 @@ def test_bad_input_is_refused_before_any_work(small):
         (dict(input_ids=ids[:, :3], positions=torch.tensor([[5, -1, 6], [5, 6, 7]])), "pad on the left"),
         (dict(input_ids=ids[:, :1], positions=torch.tensor([[2], [5]])), "not after position 4"),
         (dict(input_ids=ids[:1, :1]), "holds 2 row"),
-        (dict(input_ids=ids[:, :1], positions=torch.tensor([[40], [40]])), "past GPT-2's context"),
+        (dict(input_ids=ids[:, :1], positions=torch.tensor([[40], [40]])), "exceeds the model's context"),
         (dict(input_ids=ids[:, :1], positions=torch.tensor([5, 5])), "LongTensor"),
     ]
     for kwargs, match in cases:

@@ -26,7 +26,7 @@ def test_unknown_name_is_a_clear_error():
 def test_gpt2_offline_fails_fast_and_names_kvlab_tiny(tmp_path):
     """Without a cached copy and without network, gpt2 fails in seconds with a pointed message."""
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_HOME=str(tmp_path), KVLAB_MODEL="")
-    code = ("from kvlab import models\n"
+    code = ("from kvlab import loading\n"
             "try:\n    loading.load('gpt2')\nexcept loading.ModelNotAvailable as e:\n    print('ERR', e)\n")
     start = time.perf_counter()  # wall-clock of a subprocess, not a benchmark
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
@@ -38,15 +38,15 @@ def test_gpt2_offline_fails_fast_and_names_kvlab_tiny(tmp_path):
 
 def test_default_chooser(monkeypatch, capsys):
     monkeypatch.setenv("KVLAB_MODEL", "shape:gpt2")
-    assert loading.default_model_name() == "shape:gpt2"
-    assert "KVLAB_MODEL is set" in capsys.readouterr().out
+    assert loading.default_model() == ("shape:gpt2", "KVLAB_MODEL is set")
     monkeypatch.setenv("KVLAB_MODEL", "")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setattr(loading, "gpt2_loadable", lambda: (False, "no gpt2 here"))
-    assert loading.default_model_name() == "kvlab-tiny"
-    assert "no gpt2 here" in capsys.readouterr().out
+    name, why = loading.default_model()
+    assert name == "kvlab-tiny" and "no gpt2 here" in why
+    assert capsys.readouterr().out == ""            # the library chooses; the banner says why
     monkeypatch.setattr(loading, "gpt2_loadable", lambda: (True, "cached"))
-    assert loading.default_model_name() == "gpt2"
+    assert loading.default_model()[0] == "gpt2"
 
 
 def test_shape_only_models_are_marked():
@@ -163,12 +163,11 @@ def test_set_threads_reports(capsys, monkeypatch):
 
 def test_bench_command_checks_tokens_then_times(capsys):
     from kvlab import bench
+    from kvlab import generators as G
     ratios = bench.run("kvlab-tiny", new_tokens=6, prompt_len=4, repeats=1, threads=None, naive=True)
-    assert set(ratios) == {"transformers generate (DynamicCache)", "kvlab cached_generate (DynamicCache loop)",
-                           "kvlab hand-built GPT-2, preallocated cache", "naive (no cache)",
-                           "transformers generate, StaticCache, compiled",     # chapter 8's rows
-                           "kvlab hand-built GPT-2, static cache, compiled"}
-    assert ratios["transformers generate (DynamicCache)"] == 1.0
+    assert set(ratios) == {G.TRANSFORMERS, G.CACHED_LOOP, G.HAND_BUILT, G.NAIVE,
+                           *G.COMPILED}                                           # chapter 8's rows
+    assert ratios[G.TRANSFORMERS] == 1.0
     out = capsys.readouterr().out
     assert "identical tokens" in out
     assert "first call" in out and "compilation included" in out          # compile time apart

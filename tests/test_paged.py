@@ -8,7 +8,7 @@ import torch
 from kvlab.cache import PreallocatedCache
 from kvlab.gpt2 import GPT2, generate
 from kvlab.paged import BlockAllocator, OutOfBlocks, batched_gather, paged_gather
-from kvlab.paged_cache import PagedCache, PagedKVCache
+from kvlab.paged_cache import PagedCache, PagedPool
 
 
 def _invariants(a: BlockAllocator, live: dict):
@@ -82,7 +82,7 @@ def test_gathers_follow_the_table_not_the_ids():
 
 
 def test_copy_on_write_copies_the_shared_block():
-    c = PagedKVCache(n_layer=2, n_head=1, head_dim=2, num_blocks=6, block_size=4)
+    c = PagedPool(n_layer=2, n_head=1, head_dim=2, num_blocks=6, block_size=4)
     slots = c.reserve("p", 6)
     for layer in range(2):
         blocks, offs = torch.tensor(slots).T

@@ -31,10 +31,9 @@ def test_pack_unpack_round_trip(bits):
     assert p.dtype == torch.uint8 and p.shape[-1] == 32 * bits // 8
     assert torch.equal(quant.unpack(p, bits), q)
     if bits == 4:
-        assert torch.equal(quant.unpack_4bit(quant.pack_4bit(q)), q)
         assert torch.equal(p[..., 0], q[..., 0] | (q[..., 1] << 4))      # low nibble first
     if bits == 2:
-        assert torch.equal(quant.unpack_2bit(quant.pack_2bit(q)), q)
+        assert torch.equal(p[..., 0], q[..., 0] | (q[..., 1] << 2) | (q[..., 2] << 4) | (q[..., 3] << 6))
 
 
 def test_pack_rejects_bad_input():
@@ -74,7 +73,7 @@ def test_groups_are_finer_than_whole_token():
 @pytest.mark.parametrize("bits", [2, 4, 8])
 def test_nbytes_against_formula(bits):
     B, T, block = 2, 96, 32
-    c = quant_cache.QuantizedCache.from_config(type("C", (), CFG)(), B, 128, bits=bits, block=block)
+    c = quant_cache.QuantizedKVCache.for_model(type("C", (), CFG)(), B, 128, bits=bits, block=block)
     fill(c, [T])
     L, H, D = CFG["n_layer"], CFG["n_head"], CFG["n_embd"] // CFG["n_head"]
     fp32 = memory.kv_cache_bytes(CFG, T, B, torch.float32)
@@ -88,7 +87,7 @@ def test_nbytes_against_formula(bits):
 
 
 def test_article_a_cache_saves_nothing():
-    c = quant_cache.AbsmaxFakeInt8Cache.from_config(type("C", (), CFG)(), 2, 128)
+    c = quant_cache.AbsmaxFakeInt8Cache.for_model(type("C", (), CFG)(), 2, 128)
     fill(c, [40, 1, 1])
     fp32 = memory.kv_cache_bytes(CFG, 42, 2, torch.float32)
     assert c.nbytes == footprint.measured_cache_bytes(c) == fp32 + 3 * 2 * CFG["n_layer"] * 4   # + one scale each
@@ -97,7 +96,7 @@ def test_article_a_cache_saves_nothing():
 @pytest.mark.parametrize("residual", [0, 8, 40])
 def test_residual_window_exact_and_blocks_within_half_step(residual):
     block, bits = 16, 2
-    c = quant_cache.QuantizedCache(3, 2, 2, 32, 256, bits=bits, residual=residual, block=block)
+    c = quant_cache.QuantizedKVCache(3, 2, 2, 32, 256, bits=bits, residual=residual, block=block)
     ks, vs, _ = fill(c, [37, 1, 1, 1, 25, 1])
     assert c.seq_len == 66
     nq = c.quantized_len
@@ -117,7 +116,7 @@ def test_residual_window_exact_and_blocks_within_half_step(residual):
 
 
 def test_cache_contract():
-    c = quant_cache.QuantizedCache(2, 1, 2, 32, 40, bits=4, block=8)
+    c = quant_cache.QuantizedKVCache(2, 1, 2, 32, 40, bits=4, block=8)
     k = torch.randn(1, 2, 30, 32)
     c.update(0, k, k)
     assert c.seq_len == 0                     # advances once the last layer has its tokens
@@ -130,7 +129,7 @@ def test_cache_contract():
     c.reset()
     assert c.seq_len == 0 and c.nbytes == 0
     with pytest.raises(ValueError, match="multiple of 4"):
-        quant_cache.QuantizedCache(2, 1, 2, 30, 40, bits=2)
+        quant_cache.QuantizedKVCache(2, 1, 2, 30, 40, bits=2)
 
 
 def test_quantized_cache_generation_matches_full_precision(tiny):
@@ -145,7 +144,7 @@ def test_quantized_cache_generation_matches_full_precision(tiny):
     prompts = torch.stack([ids[s:s + 80] for s in (0, 1000, 3000)])     # batch of 3 held-out prompts
     N = 24
     full = generate(gpt, prompts, N)
-    cache = quant_cache.QuantizedCache.from_config(gpt.config, 3, 80 + N, bits=8, block=32)
+    cache = quant_cache.QuantizedKVCache.for_model(gpt.config, 3, 80 + N, bits=8, block=32)
     q8 = generate(gpt, prompts, N, cache=cache)
     assert torch.equal(q8[:, :80], prompts)
     agree = (q8[:, 80:] == full[:, 80:]).float().mean().item()
@@ -153,22 +152,22 @@ def test_quantized_cache_generation_matches_full_precision(tiny):
     assert cache.nbytes < 0.5 * memory.kv_cache_bytes(model.config, 80 + N - 1, 3, torch.float32)
     again = generate(gpt, prompts, N, cache=cache)                       # generate resets the cache
     assert torch.equal(again, q8)
-    q2 = generate(gpt, prompts, N, cache=quant_cache.QuantizedCache.from_config(gpt.config, 3, 80 + N, bits=2))
+    q2 = generate(gpt, prompts, N, cache=quant_cache.QuantizedKVCache.for_model(gpt.config, 3, 80 + N, bits=2))
     assert q2.shape == full.shape
 
 
 @pytest.mark.parametrize("bits", [2, 8])
 def test_prefill_attends_to_exact_prompt_then_reads_the_stored_past(tiny, bits):
     """Only what is stored is quantized: the prefill's logits equal the full-precision cache's exactly
-    (as in KIVI and transformers' QuantizedCache); the next step reads the quantized past."""
+    (as in KIVI and transformers' QuantizedKVCache); the next step reads the quantized past."""
     from kvlab.gpt2 import GPT2
 
     model, _ = tiny
     gpt = GPT2.from_hf(model)
     ids = torch.randint(1, model.config.vocab_size, (2, 70), generator=torch.Generator().manual_seed(5))
     full = gpt.new_cache(2, 71)
-    caches = [quant_cache.QuantizedCache.from_config(gpt.config, 2, 71, bits=bits, block=32),
-              quant_cache.AbsmaxFakeInt8Cache.from_config(gpt.config, 2, 71)]
+    caches = [quant_cache.QuantizedKVCache.for_model(gpt.config, 2, 71, bits=bits, block=32),
+              quant_cache.AbsmaxFakeInt8Cache.for_model(gpt.config, 2, 71)]
     with torch.no_grad():
         ref_prefill = gpt(ids[:, :64], full)
         ref_next = gpt(ids[:, 64:65], full)

@@ -83,7 +83,7 @@ def test_gpu_check_dry_run_passes(dry_run):
 
 def test_report_json_is_complete(dry_run):
     _, out = dry_run
-    r = results.load(out / "report.json")
+    r = results.read_run(out / "report.json")
     assert r["complete"] and r["quick"]
     p = r["provenance"]
     assert p["git"] == {"commit": COMMIT, "source": "KVLAB_COMMIT"}
@@ -105,14 +105,14 @@ def test_report_json_is_complete(dry_run):
 
 def test_results_render_the_run(dry_run):
     _, out = dry_run
-    r = results.load(out / "report.json")
+    r = results.read_run(out / "report.json")
     md = results.markdown(r)
     assert "recorded on CPU" in md and f"at {COMMIT[:12]}" in md and "not re-run by this build" in md
     assert "| model | new tokens N |" in md and "measured / floor" in md
     assert "measured on CPU" in results.markdown(r, fresh=True)
     import matplotlib
     matplotlib.use("Agg")
-    fig = results.figure(r)
+    fig = results.run_figure(r)
     assert fig is not None and len(fig.axes) == 4       # speed-up, per position, batch, floor
 
 
@@ -120,12 +120,12 @@ def test_committed_results_load_and_are_small():
     files = sorted((REPO_ROOT / "results").glob("*.json"))
     assert files, "commit at least one recorded run under results/"
     for path in files:
-        r = results.load(path)
+        r = results.read_run(path)
         text = path.read_text()
         assert len(text) < 300_000 and "data:image" not in text, f"{path.name}: keep results small, no images"
         if r["provenance"]["device"]["device"] == "cpu":
             assert "cpu" in path.name.lower(), f"{path.name}: a CPU run must say so in its name"
-    assert results.by_machine(results.load_all())
+    assert results.by_machine(results.read_all())
 
 
 def test_partial_run_renders_as_cut_off(dry_run, tmp_path):
@@ -134,7 +134,7 @@ def test_partial_run_renders_as_cut_off(dry_run, tmp_path):
     r["complete"] = False
     r["sections"] = {"speedup": r["sections"]["speedup"]}
     (tmp_path / "cut.json").write_text(json.dumps(r))
-    assert "cut off after 1 section" in results.markdown(results.load(tmp_path / "cut.json"))
+    assert "cut off after 1 section" in results.markdown(results.read_run(tmp_path / "cut.json"))
 
 
 @pytest.mark.parametrize("mutate, needle", [
@@ -149,7 +149,7 @@ def test_results_reject_malformed_files(dry_run, tmp_path, mutate, needle):
     mutate(r)
     (tmp_path / "bad.json").write_text(json.dumps(r))
     with pytest.raises(ValueError, match=needle.replace("(", r"\(")):
-        results.load(tmp_path / "bad.json")
+        results.read_run(tmp_path / "bad.json")
 
 
 def test_write_json_is_atomic(tmp_path):
@@ -163,7 +163,7 @@ def test_write_json_is_atomic(tmp_path):
 
 def test_commit_from_environment(monkeypatch):
     monkeypatch.setenv("KVLAB_COMMIT", "abc123")
-    assert machine._git_commit() == {"commit": "abc123", "source": "KVLAB_COMMIT"}
+    assert machine.git_commit() == {"commit": "abc123", "source": "KVLAB_COMMIT"}
 
 
 def test_bad_arguments_are_clear():
@@ -201,7 +201,7 @@ def test_wheels_are_never_committed():
 def test_every_key_the_report_writes_has_a_label(dry_run):
     """The results page names each column and each section note in words, never by its raw key."""
     _, out = dry_run
-    r = results.load(out / "report.json")
+    r = results.read_run(out / "report.json")
     keys = {k for sec in r["sections"].values() for row in sec.get("rows", []) for k in row}
     keys |= {k for sec in r["sections"].values() for k, v in sec.items()
              if k not in ("rows", "status", "seconds") and not isinstance(v, (dict, list))}

@@ -6,7 +6,7 @@ import torch
 from kvlab.cache import Cache
 from kvlab.gpt2 import GPT2, attention, generate
 from kvlab import reference
-from kvlab.static import StaticCache, StaticDecoder, static_attention, static_attention_explicit
+from kvlab.static import StaticKVCache, StaticDecoder, static_attention, static_attention_explicit
 
 
 @pytest.fixture(scope="module")
@@ -15,7 +15,7 @@ def ours(tiny):
 
 
 def test_static_cache_interface():
-    c = StaticCache(2, 3, 4, 8, 10, torch.float64)
+    c = StaticKVCache(2, 3, 4, 8, 10, torch.float64)
     assert isinstance(c, Cache) and c.seq_len == 0 and c.nbytes == 2 * 2 * 3 * 4 * 10 * 8 * 8
     k = torch.randn(3, 4, 5, 8, dtype=torch.float64)
     ptr = c.keys[0].data_ptr()
@@ -37,9 +37,9 @@ def test_static_cache_interface():
 @pytest.mark.parametrize("bad", [torch.zeros(2, 4, 1, 8), torch.zeros(3, 4, 1, 4), torch.zeros(3, 4, 11, 8)])
 def test_static_cache_refuses_bad_shapes(bad):
     with pytest.raises(ValueError):
-        StaticCache(2, 3, 4, 8, 10).update(0, bad, bad)
+        StaticKVCache(2, 3, 4, 8, 10).update(0, bad, bad)
     with pytest.raises(ValueError):
-        StaticCache(0, 3, 4, 8, 10)
+        StaticKVCache(0, 3, 4, 8, 10)
 
 
 @pytest.mark.parametrize("T, pos", [(1, 0), (1, 6), (3, 4), (5, 0)])
@@ -57,7 +57,7 @@ def test_static_attention_equals_chapter3_attention(T, pos):
 def test_static_cache_through_the_one_forward(ours):
     """The model's own forward on a static cache: the same logits as without a cache, prefill then a chunk."""
     ids = torch.randint(0, ours.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(0))
-    cache = StaticCache(ours.config.n_layer, 2, ours.config.n_head, ours.config.head_dim, 16)
+    cache = StaticKVCache(ours.config.n_layer, 2, ours.config.n_head, ours.config.head_dim, 16)
     with torch.no_grad():
         got = ours(ids[:, :7], cache, last_only=True)[:, -1]
         got2 = ours(ids[:, 7:], cache, last_only=True)[:, -1]

@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 import operator
 
-from ..paged_cache import PagedKVCache
+from ..paged_cache import PagedPool
 from ..paged import blocks_for
 from .block_manager import AllocatorBlocks, BlockManager
 from .clock import Clock, Trace
@@ -59,7 +59,7 @@ class Engine:
                        else AllocatorBlocks(allocator_cls, num_blocks, block_size))
         self.scheduler = scheduler_cls(self.blocks, max_num_batched_tokens, max_num_seqs, chunked_prefill, admission,
                                    batching, max_len)
-        self.pool = PagedKVCache.for_model(model, num_blocks, block_size)   # the tensors; its allocator is unused
+        self.pool = PagedPool.for_model(model, num_blocks, block_size)   # the tensors; its allocator is unused
         self.runner = Runner(model, self.pool, gather)
         self.clock, self.trace = clock or Clock(self.pool.keys.device), Trace()
         self.pending: list[Sequence] = []      # submitted, not yet arrived (by arrival time)

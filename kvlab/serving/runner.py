@@ -14,11 +14,10 @@ from __future__ import annotations
 
 import torch
 
-from ..cache import Cache
-from ..paged_cache import PagedKVCache
+from ..cache import EMPTY, Cache
+from ..paged_cache import PagedPool
 from .sequence import Sequence
 
-EMPTY = -1   # a key slot no query may see (kvlab.cache.EMPTY)
 
 
 class RaggedStep(Cache):
@@ -103,7 +102,7 @@ class Runner:
     """Runs scheduled steps on ``model`` through a paged pool (``keys``/``values``
     ``[layers, blocks, heads, block_size, head_dim]``)."""
 
-    def __init__(self, model, pool: PagedKVCache, gather=None):
+    def __init__(self, model, pool: PagedPool, gather=None):
         self.model, self.pool, self.gather = model, pool, gather
         self.device = pool.keys.device
 

@@ -45,7 +45,7 @@ NAME_FIT = "check_overhead_fit"
 # The library's answers: a learner's function that hands them in (or calls them) is told to write
 # their own. decode_step_flops stays allowed: the lab imports it.
 _ANSWERS = {
-    NAME_BYTES: ("decode_step_bytes", "step_bytes", "weight_read_bytes", "lookup_bytes", "_lookup_tables",
+    NAME_BYTES: ("decode_step_bytes", "step_bytes", "weight_read_bytes", "lookup_bytes", "lookup_tables",
                  "step_terms", "generation_bytes"),
     NAME_FLOOR: ("decode_step_bytes", "step_bytes", "step_time_floor", "forward_floor", "step_terms",
                  "generation_floor"),
@@ -237,9 +237,9 @@ def _case(label, model, batch, seq):
     cfg = model.config
     n_head = cfg.num_attention_heads
     n_kv = getattr(cfg, "num_key_value_heads", None) or n_head
-    head = roofline._lm_head(model)
+    head = roofline.lm_head(model)
     tied = any(p is head for p in model.get_input_embeddings().parameters())
-    row = sum(t[0].numel() * t.element_size() for t in roofline._lookup_tables(model))
+    row = sum(t[0].numel() * t.element_size() for t in roofline.lookup_tables(model))
     dim = roofline.kv_dims(cfg)[2]
     return dict(label=label, model=model, B=batch, S=seq, W=roofline.weight_bytes(model),
                 L=roofline.lookup_bytes(model), row=row, C=roofline.cache_read_bytes(model, batch, seq),

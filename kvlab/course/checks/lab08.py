@@ -35,7 +35,7 @@ from kvlab.reference import first_difference
 from ._common import (ValueReads, call_unmodified, confirmed, fail, fresh_prompts, grading_model,
                       held_tensors, learner_call, misplaced, passed)
 from kvlab.gpt2 import GPT2
-from kvlab.static import StaticCache, StaticDecoder
+from kvlab.static import StaticKVCache, StaticDecoder
 
 NAME_CACHE = "check_static_cache"
 NAME_ATTENTION = "check_static_attention"
@@ -652,7 +652,7 @@ def check_static_generate(static_generate) -> None:
     hf, tok = grading_model()
     model = GPT2.from_hf(hf)
     cfg = model.config
-    cache = StaticCache(cfg.n_layer, 2, cfg.n_head, cfg.head_dim, 16, torch.float32, "cpu")
+    cache = StaticKVCache(cfg.n_layer, 2, cfg.n_head, cfg.head_dim, 16, torch.float32, "cpu")
     torch._dynamo.reset()
     counter = CompileCounter()
     step = _Step(model, cache, counter)
