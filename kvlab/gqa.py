@@ -32,13 +32,13 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .gpt2 import GPT2, GPT2Config, masked_attention
+from .gpt2 import GPT2, GPTConfig, masked_attention
 
 METHODS = ("mean", "first", "pca")
 
 
 @dataclasses.dataclass
-class GQAConfig(GPT2Config):
+class GQAConfig(GPTConfig):
     n_kv_head: int = 1   # key/value heads; n_head query heads share them in groups of n_head // n_kv_head
 
     def cache_dims(self) -> tuple[int, int]:

@@ -29,27 +29,27 @@ import torch
 import torch.nn as nn
 
 from .cache import PreallocatedCache, tensor_bytes
-from .gpt2 import GPT2, GPT2Config
+from .gpt2 import GPT2, GPTConfig
 from .gqa import calibration_inputs
 
 METHODS = ("svd", "pca")
 
 
 @dataclasses.dataclass
-class LatentConfig(GPT2Config):
+class LatentConfig(GPTConfig):
     kv_rank: int = 1   # numbers cached per token and layer
 
     def cache_dims(self) -> tuple[int, int]:
         return 1, self.kv_rank   # one "head" of kv_rank numbers: the latent
 
 
-def lossless_rank(cfg: GPT2Config) -> int:
+def lossless_rank(cfg: GPTConfig) -> int:
     """The smallest latent that is exact for ANY GPT-2 weights: ``n_embd`` (K and V are linear in one
     ``n_embd``-dim input). A given checkpoint may need fewer: ``torch.linalg.matrix_rank`` of ``W_kv``."""
     return cfg.n_embd
 
 
-def check_rank(cfg: GPT2Config, rank) -> int:
+def check_rank(cfg: GPTConfig, rank) -> int:
     if isinstance(rank, bool) or not isinstance(rank, int) or not 1 <= rank <= lossless_rank(cfg):
         raise ValueError(f"rank must be an int from 1 to n_embd={cfg.n_embd}, got {rank!r}: the keys and values "
                          f"of a layer are linear in its {cfg.n_embd}-dim input, so a larger latent cannot hold "
