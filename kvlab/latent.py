@@ -57,7 +57,7 @@ def check_rank(cfg: GPTConfig, rank) -> int:
     return rank
 
 
-class LatentCache(PreallocatedCache):
+class LatentKVCache(PreallocatedCache):
     """Chapter 3's preallocated cache holding one latent per token and layer, ``[n_layer, B, 1, max_len, r]``.
     ``update(layer, c, c, positions)``: the latent goes in as both keys and values (one tensor, stored once)."""
 
@@ -67,7 +67,7 @@ class LatentCache(PreallocatedCache):
 
     def store(self, layer, k, v, positions):
         if v is not k:
-            raise ValueError("a LatentCache stores one latent per token: pass it as both k and v")
+            raise ValueError("a LatentKVCache stores one latent per token: pass it as both k and v")
         return super().store(layer, k, k, positions)
 
     @property
@@ -155,7 +155,7 @@ def convert(model: GPT2, rank: int, method: str = "svd", calibration: torch.Tens
     xs = calibration_inputs(model, calibration) if method == "pca" else [None] * cfg.n_layer
     new = copy.deepcopy(model)
     new.config = LatentConfig(**dataclasses.asdict(cfg), kv_rank=rank)
-    new.cache_cls = LatentCache
+    new.cache_cls = LatentKVCache
     p = model.wte.weight
     with torch.no_grad():
         for block, x in zip(new.h, xs):

@@ -275,15 +275,15 @@ def gqa_rows(model, calibration, eval_ids, ref, max_windows=None) -> list[dict]:
 
 
 def window_rows(model, eval_ids, ref, windows, sinks=(0, 4), max_windows=None) -> list[dict]:
-    """Perplexity of the whole held-out text through a :class:`kvlab.window.SinkWindowCache` per
+    """Perplexity of the whole held-out text through a :class:`kvlab.window.SinkWindowKVCache` per
     (window, sinks): every query sees its sinks and its window only."""
-    from .window import SinkWindowCache
+    from .window import SinkWindowKVCache
 
     rows = []
-    L, ctx = model.config.n_layer, model.config.n_positions
+    ctx = model.config.n_positions
     for s in sinks:
         for w in bar([w for w in windows if w + s <= ctx], desc=f"windows, {s} sinks", leave=False):
-            q = quality(model, eval_ids, ref["top1"], lambda B: SinkWindowCache(L, w, s), max_windows)
+            q = quality(model, eval_ids, ref["top1"], lambda B: SinkWindowKVCache.for_model(model, w, s), max_windows)
             rows.append(_row(q, ref, window=w, sinks=s, **{"keys held": s + w - 1}))
     return rows
 

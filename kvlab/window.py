@@ -1,8 +1,8 @@
 """A sliding window with attention sinks, applied to every query (chapter 11).
 
-Chapter 3's :class:`kvlab.cache.SlidingWindowCache` windows what it *keeps*: a decode step sees the
+Chapter 3's :class:`kvlab.cache.SlidingWindowKVCache` windows what it *keeps*: a decode step sees the
 last ``window`` tokens before it, but a chunk of several tokens (a prefill, drafted tokens being
-verified) sees the whole chunk. :class:`SinkWindowCache` windows what each *query* sees, the way a
+verified) sees the whole chunk. :class:`SinkWindowKVCache` windows what each *query* sees, the way a
 model trained with a window (Mistral, Gemma 2's local layers) attends, plus StreamingLLM's sinks:
 
     the query at position p sees the keys at positions  0 .. sinks-1   (the sinks)
@@ -38,7 +38,7 @@ def needed(length: int, window: int, sinks: int) -> range:
     return range(max(sinks, length - window + 1), length)
 
 
-class SinkWindowCache(Cache):
+class SinkWindowKVCache(Cache):
     """Keeps the first ``sinks`` tokens and the last ``window - 1`` of every layer; each query sees the
     sinks and the ``window`` positions ending at its own (``sinks=0``: a plain sliding window).
 
@@ -48,6 +48,8 @@ class SinkWindowCache(Cache):
     model on first use).
     """
 
+    bookkeeping = ("_key_pos", "_pass_pos", "_keep", "_next_key_pos")   # positions, not keys or values
+
     def __init__(self, n_layer: int, window: int, sinks: int = 0, context: int | None = None):
         for value, what, low in ((n_layer, "n_layer", 1), (window, "window", 1), (sinks, "sinks", 0)):
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
@@ -56,6 +58,11 @@ class SinkWindowCache(Cache):
         if context is not None:
             self._check_context(context)
         self.reset()
+
+    @classmethod
+    def for_model(cls, model, window: int, sinks: int = 0) -> "SinkWindowKVCache":
+        """A cache for ``model`` (its layers; its context checked against ``sinks + window`` at once)."""
+        return cls(model.config.n_layer, window, sinks, context=model.config.n_positions)
 
     def _check_context(self, context: int) -> None:
         if self.sinks + self.window > context:
@@ -75,10 +82,10 @@ class SinkWindowCache(Cache):
     def _plan(self, positions: torch.Tensor) -> None:
         """At layer 0: this pass's key positions per query, and which slots stay afterwards."""
         if positions.shape[0] > 1 and not bool((positions == positions[:1]).all()):
-            raise ValueError("every row of a batch must have the same positions for a SinkWindowCache "
+            raise ValueError("every row of a batch must have the same positions for a SinkWindowKVCache "
                              "(it keeps the same slots for all rows): no left padding; run such rows apart")
         if bool((positions < 0).any()):
-            raise ValueError("a SinkWindowCache takes no pads (EMPTY positions): every row starts at the same place")
+            raise ValueError("a SinkWindowKVCache takes no pads (EMPTY positions): every row starts at the same place")
         pos = append_positions(self._key_pos, positions)                        # [B, S]
         seen = window_mask(positions, pos, self.window, self.sinks)             # [B, T, S]
         self._pass_pos = torch.where(seen, pos[:, None, :], EMPTY)              # out of a query's window: hidden

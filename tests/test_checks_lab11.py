@@ -7,7 +7,7 @@ import torch
 
 from kvlab.cache import EMPTY, Cache
 from kvlab.course.checks import check_gqa_conversion, check_sink_window_cache, check_window_prediction
-from kvlab.window import SinkWindowCache
+from kvlab.window import SinkWindowKVCache
 
 from conftest import expect_rejected
 
@@ -120,7 +120,7 @@ class WholeChunk(Window):
         return (kp < self.sinks) | (kp > first - self.window) | (kp >= first)
 
 
-class Library(SinkWindowCache):
+class Library(SinkWindowKVCache):
     pass
 
 
@@ -138,7 +138,7 @@ def test_correct_caches_pass(capsys):
     (EvictsBeforeAttending, ["window - 1 tokens before it plus its own k"]),
     (WholeChunk, ["outside its window", "EMPTY"]),
     (Library, ["library's own implementation"]),
-    (SinkWindowCache, ["library's own implementation"]),
+    (SinkWindowKVCache, ["library's own implementation"]),
 ])
 def test_wrong_caches_are_named(cls, needles):
     expect_rejected(check_sink_window_cache, cls, *needles)

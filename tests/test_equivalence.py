@@ -261,19 +261,19 @@ def test_gqa_every_group_count_and_method_cached_equals_uncached(setup, prompts)
 @pytest.mark.parametrize("window,sinks", [(1, 0), (1, 1), (5, 0), (5, 3), (12, 4), (64, 2)])
 def test_sink_window_cached_equals_banded_uncached(setup, window, sinks):
     """Decode steps and chunks of every size (a chunk needs window - 1 + k keys) give the banded model's logits."""
-    from kvlab.window import SinkWindowCache
+    from kvlab.window import SinkWindowKVCache
 
     hf, tok, ours = setup
     ids = tok(" ".join(TEXTS * 2), return_tensors="pt").input_ids[:, :48]
     banded = GPT2.from_hf(hf, attention_fn=band_attention(window, sinks))
     ref = banded(ids)
     for chunk in (1, 2, 5, window, 48):
-        cache = SinkWindowCache(ours.config.n_layer, window, sinks)
+        cache = SinkWindowKVCache(ours.config.n_layer, window, sinks)
         got = torch.cat([ours(ids[:, i:i + chunk], cache) for i in range(0, 48, chunk)], dim=1)
         torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4, msg=f"chunk {chunk}")
         assert cache.held == min(48, sinks + window - 1) and cache.seq_len == 48
     for _, prompt in [("short", ids[:, :3]), ("long", ids[:, :30])]:
-        assert torch.equal(generate(ours, prompt, N, cache=SinkWindowCache(ours.config.n_layer, window, sinks)),
+        assert torch.equal(generate(ours, prompt, N, cache=SinkWindowKVCache(ours.config.n_layer, window, sinks)),
                            generate_uncached(banded, prompt, N))
 
 

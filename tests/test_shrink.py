@@ -10,7 +10,7 @@ import torch
 from kvlab import gqa, latent
 from kvlab.cache import visible
 from kvlab.gpt2 import GPT2, generate
-from kvlab.window import SinkWindowCache
+from kvlab.window import SinkWindowKVCache
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +73,7 @@ def test_repeat_kv_order():
 def test_a_chunk_attends_over_window_minus_one_plus_k_keys(ours, text):
     seen = []
 
-    class Counting(SinkWindowCache):
+    class Counting(SinkWindowKVCache):
         def store(self, layer, k, v, positions):
             out = super().store(layer, k, v, positions)
             if layer == 0:
@@ -88,11 +88,11 @@ def test_a_chunk_attends_over_window_minus_one_plus_k_keys(ours, text):
 
 
 def test_window_rewind_within_and_into_evicted(ours, text):
-    cache = SinkWindowCache(ours.config.n_layer, window=8, sinks=2)
+    cache = SinkWindowKVCache(ours.config.n_layer, window=8, sinks=2)
     out = generate(ours, text[:, :5], 3, cache=cache)     # 7 tokens seen, nothing evicted yet
     cache.rewind(5)
-    assert torch.equal(generate(ours, text[:, :5], 3, cache=SinkWindowCache(ours.config.n_layer, 8, 2)), out)
-    cache = SinkWindowCache(ours.config.n_layer, window=4, sinks=1)
+    assert torch.equal(generate(ours, text[:, :5], 3, cache=SinkWindowKVCache(ours.config.n_layer, 8, 2)), out)
+    cache = SinkWindowKVCache(ours.config.n_layer, window=4, sinks=1)
     ours(text[:, :20], cache)
     before = (cache.seq_len, cache._key_pos.clone(), [k.clone() for k in cache.keys])
     with pytest.raises(ValueError, match="evicted"):
@@ -118,14 +118,14 @@ def test_bad_inputs_named_and_nothing_changed(ours, text):
         with pytest.raises(ValueError, match="n_embd"):
             latent.convert(ours, bad)
     with pytest.raises(ValueError, match="larger than the model's context"):
-        SinkWindowCache(ours.config.n_layer, window=ctx - 3, sinks=4, context=ctx)
-    late = SinkWindowCache(ours.config.n_layer, window=ctx, sinks=1)   # no context given: refused on first use
+        SinkWindowKVCache(ours.config.n_layer, window=ctx - 3, sinks=4, context=ctx)
+    late = SinkWindowKVCache(ours.config.n_layer, window=ctx, sinks=1)   # no context given: refused on first use
     with pytest.raises(ValueError, match="larger than the model's context"):
         ours(text, late)
     assert late.seq_len == 0 and late.held == 0
     with pytest.raises(ValueError, match="window must be"):
-        SinkWindowCache(ours.config.n_layer, window=0)
-    cache = SinkWindowCache(ours.config.n_layer, window=4, sinks=1)
+        SinkWindowKVCache(ours.config.n_layer, window=0)
+    cache = SinkWindowKVCache(ours.config.n_layer, window=4, sinks=1)
     ours(text[:, :6], cache)
     state = (cache.seq_len, cache.held, cache._key_pos.clone())
     with pytest.raises(ValueError, match="row"):                        # another batch size
@@ -133,12 +133,12 @@ def test_bad_inputs_named_and_nothing_changed(ours, text):
     with pytest.raises(ValueError, match="evicted"):
         cache.rewind(3)                                                  # needs 1 and 2, gone
     assert (cache.seq_len, cache.held) == state[:2] and torch.equal(cache._key_pos, state[2])
-    two = SinkWindowCache(ours.config.n_layer, window=4)
+    two = SinkWindowKVCache(ours.config.n_layer, window=4)
     with pytest.raises(ValueError, match="same positions"):
         ours(text[:, :2].repeat(2, 1), two, positions=torch.tensor([[0, 1], [1, 2]]))
     assert two.seq_len == 0 and two.held == 0 and all(k is None for k in two.keys)
-    with pytest.raises(ValueError, match="LatentCache stores one latent"):
-        latent.LatentCache(1, 1, 1, 4, 8).update(0, torch.zeros(1, 1, 1, 4), torch.zeros(1, 1, 1, 4),
+    with pytest.raises(ValueError, match="LatentKVCache stores one latent"):
+        latent.LatentKVCache(1, 1, 1, 4, 8).update(0, torch.zeros(1, 1, 1, 4), torch.zeros(1, 1, 1, 4),
                                                  torch.zeros(1, 1, dtype=torch.long))
     assert ours.config.cache_dims() == (H, C // H)        # the original is never changed by a conversion
 
@@ -160,7 +160,7 @@ def test_measurements_follow_the_books_protocol(ours, tiny):
     assert n == 2 and ref["ppl"] == pytest.approx(math.exp(loss), rel=1e-4)
     again = sb.quality(ours, ev, ref["top1"], max_windows=2)
     assert again["agree"] == 1.0
-    whole = sb.quality(ours, ev, ref["top1"], lambda B: SinkWindowCache(ours.config.n_layer, 512), max_windows=2)
+    whole = sb.quality(ours, ev, ref["top1"], lambda B: SinkWindowKVCache(ours.config.n_layer, 512), max_windows=2)
     assert whole["ppl"] == pytest.approx(ref["ppl"], rel=1e-5)
     beyond = sb.attention_beyond(ours, calib[:1], [1, 512], first=0)
     assert beyond.shape == (ours.config.n_layer, 2) and bool((beyond[:, 1] == 0).all()) and bool((beyond[:, 0] > 0).all())
