@@ -9,7 +9,7 @@ from kvlab.cache import EMPTY, Cache
 from kvlab.course.checks import check_gqa_conversion, check_sink_window_cache, check_window_prediction
 from kvlab.window import SinkWindowKVCache
 
-from conftest import expect_rejected
+from utils import expect_rejected
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -9,13 +9,8 @@ import torch
 
 from kvlab import gqa, latent
 from kvlab.cache import visible
-from kvlab.gpt2 import GPT2, generate
+from kvlab.gpt2 import generate
 from kvlab.window import SinkWindowKVCache
-
-
-@pytest.fixture(scope="module")
-def ours(tiny):
-    return GPT2.from_hf(tiny[0])
 
 
 @pytest.fixture(scope="module")
