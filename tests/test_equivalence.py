@@ -16,7 +16,7 @@ import torch
 from kvlab.batching import batched_generate, generate_padded, make_batch, one_by_one
 from kvlab.cache import ConcatCache, PreallocatedCache, SlidingWindowKVCache
 from kvlab.reference import cached_generate, hf_greedy, naive_generate
-from kvlab.gpt2 import generate, generate_uncached
+from kvlab.gpt2 import GPT2, generate, generate_uncached
 from kvlab.harness import rewind_and_regenerate, rewinding_step
 from kvlab.paged_cache import PagedCache, PagedPool, ragged_forward
 from kvlab.quant_cache import TOLERANCE, AbsmaxFakeInt8Cache, QuantizedKVCache
