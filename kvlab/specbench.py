@@ -81,12 +81,14 @@ def draft_bytes(target, drafts: dict) -> dict[str, dict]:
 # The models and the prompts
 
 
-def bundled_pair(device="cpu"):
-    """kvlab-tiny (the target, hand-built and transformers'), its drafts, its tokenizer."""
-    hf, tok = loading.load("kvlab-tiny", device=device)
+def bundled_pair(device="cpu", hf=None, tok=None, target=None):
+    """kvlab-tiny (the target, hand-built and transformers'), its drafts, its tokenizer. A notebook
+    passes the target it already loaded (``hf``, ``tok`` and the hand-built ``target``)."""
+    if hf is None or tok is None:
+        hf, tok = loading.load("kvlab-tiny", device=device)
     nano_hf, nano_tok = loading.load("kvlab-nano", device=device)
     check_same_tokenizer(tok, nano_tok)
-    target = GPT2.from_hf(hf)
+    target = target if target is not None else GPT2.from_hf(hf)
     drafts = {"prompt lookup": PromptLookupDraft(), "kvlab-nano": ModelDraft(GPT2.from_hf(nano_hf), "kvlab-nano"),
               "self-draft (1 layer)": SelfDraft(target, 1), "self-draft (2 layers)": SelfDraft(target, 2)}
     return {"target": target, "hf": hf, "hf_draft": nano_hf, "drafts": drafts, "tok": tok,
