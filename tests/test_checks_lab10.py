@@ -5,7 +5,7 @@ import torch
 
 from kvlab.course.checks import check_speculative_step, check_speedup_prediction
 from kvlab.speculative import verify as library_verify
-from tests.conftest import expect_rejected
+from utils import expect_rejected
 
 
 def make_step(bonus="target", rewind=0, rewind_draft=True, off_by_one=False, eos=True, one_forward=True):

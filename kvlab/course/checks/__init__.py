@@ -24,6 +24,7 @@ from .lab08 import (check_hidden_nan, check_no_recompile, check_static_attention
 from .lab09 import check_block_allocator, check_paged_gather, check_paged_generate
 from .lab09_serving import check_prefix_cache, check_scheduler
 from .lab10 import check_speculative_step, check_speedup_prediction
+from .lab11 import check_gqa_conversion, check_sink_window_cache, check_window_prediction
 
 __all__ = [
     "check_naive_generate",
@@ -59,6 +60,9 @@ __all__ = [
     "check_prefix_cache",
     "check_speculative_step",
     "check_speedup_prediction",
+    "check_sink_window_cache",
+    "check_gqa_conversion",
+    "check_window_prediction",
 ]
 
 # Labs 7 and 9 refuse the library's own code in their own graders (issues 22, 23), with messages of
