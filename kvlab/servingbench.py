@@ -26,7 +26,7 @@ from .paged_cache import PagedPool
 from .roofline import lm_head, cache_read_bytes, matmul_weights, weight_bytes
 from .serving import BlockManager, Engine, Runner, Sequence, Status
 from .timing import Timing, compare
-from .verdicts import NOISE, on, told_apart
+from .verdicts import compare_timings, on, relation
 
 # ---------------------------------------------------------------------------------------------------
 # Workloads and the reference
@@ -295,8 +295,9 @@ def poisson_sweep(model, workload, rates, policies: dict, repeats: int = 1, seed
 
 
 def best_of(samples: dict[str, list[float]], what: str, device, lower_is_better: bool = True) -> str:
-    """Which variant is best on a measured quantity, if the noise test tells it from the runner-up
-    (:func:`kvlab.verdicts.told_apart` on the per-round values), as a sentence."""
+    """Which variant is best on a measured quantity, by how much (the ratio of medians leads), and
+    whether it was better in every round, in the median only, or not at all (the verdict words of
+    :mod:`kvlab.verdicts`), as a sentence."""
 
     ranked = sorted(samples, key=lambda k: percentile(samples[k], 0.5), reverse=not lower_is_better)
     best, second = ranked[:2]
@@ -305,13 +306,14 @@ def best_of(samples: dict[str, list[float]], what: str, device, lower_is_better:
     n, where = min(len(a.samples), len(b.samples)), on(device)
     if math.isinf(a.median):
         return f"{what}: none of {', '.join(ranked)} had any ({n} round(s) {where})"
-    if not told_apart(a, b):
-        ratio = "the runner-up had none in most rounds" if math.isinf(b.median) else f"ratio {b.median / a.median:.2f}"
-        return (f"{what}: {best} and {second} were not told apart ({ratio}; within {NOISE:.0%} or overlapping "
-                f"over {n} round(s) {where})")
     if math.isinf(b.median):
-        return f"{what}: {best} is best; {second}, the runner-up, had none ({n} round(s) {where})"
-    return f"{what}: {best} is best, {b.median / a.median:.2f}x better than {second} ({n} round(s) {where})"
+        return f"{what}: {best} is best; {second}, the runner-up, had none in most rounds ({n} round(s) {where})"
+    c = compare_timings(a, b)
+    if c.verdict == "none":
+        return (f"{what}: {best} and {second}, ratio {b.median / a.median:.2f}: {relation(c, best, second)} "
+                f"({n} round(s) {where})")
+    return (f"{what}: {best} {b.median / a.median:.2f}x better than {second}, "
+            f"{relation(c, best, second, 'better')} ({n} round(s) {where})")
 
 
 def plot_latency_throughput(rows: list[dict], ax, latency: str = "e2e_p90") -> None:
