@@ -20,6 +20,8 @@ import torch
 from matplotlib.figure import Figure
 from matplotlib.patches import FancyArrowPatch, Rectangle
 
+from .provenance import readable
+
 # one colour per role, the same in every diagram
 PAST, NEW, EMPTY, PAD, SEEN, HIDDEN = "#b8cde0", "#e8893a", "#f4f4f4", "#d9d9d9", "#4c78a8", "#f4f4f4"
 
@@ -33,6 +35,7 @@ class Drawing:
     caption: str = ""
 
     def png(self, dpi: int = 110) -> bytes:
+        readable(self.figure)          # no text under the book's minimum size (kvlab.provenance)
         buf = io.BytesIO()
         self.figure.savefig(buf, format="png", dpi=dpi, bbox_inches="tight")
         return buf.getvalue()

@@ -81,9 +81,10 @@ def block_tables(blocks, seqs, copies=(), title: str = "") -> Drawing:
     ax.set(xlim=(-0.2, n + 0.1), ylim=(-1.2 if copies else -0.1, 1.7 + rows * 1.1))
     ax.set_title(title or f"block tables into a pool of {n} blocks of {blocks.block_size} tokens", fontsize=9)
     ax.axis("off")
-    return Drawing(fig, _tables_alt(blocks, tables, pool, copies),
-                   "Block tables point into one pool; a block held by several tables is counted, and the "
-                   "first write into a shared, partly filled block copies it first (red arrows).")
+    caption = "Block tables point into one pool; a block held by several tables is counted"
+    caption += (", and the first write into a shared, partly filled block copied it first (red arrows)."
+                if copies else "; no block was copied at this moment.")
+    return Drawing(fig, _tables_alt(blocks, tables, pool, copies), caption)
 
 
 def _pool_legend(fig, pool, copies) -> None:
@@ -99,7 +100,7 @@ def _pool_legend(fig, pool, copies) -> None:
     if copies:
         handles.append(FancyArrowPatch((0, 0), (1, 0), color="crimson"))
         labels.append("copy-on-write")
-    fig.legend(handles, labels, loc="outside lower center", ncol=min(len(handles), 3), fontsize=7, frameon=False)
+    fig.legend(handles, labels, loc="outside lower center", ncol=min(len(handles), 2), fontsize=8, frameon=False)
 
 
 def _tables_alt(blocks, tables, pool, copies) -> str:
@@ -145,7 +146,8 @@ def timeline(source, title: str = "") -> Drawing:
     if any(s[5] for s in spans):
         handles.append(Rectangle((0, 0), 1, 1, facecolor=SEEN, hatch="//", edgecolor="white"))
         labels.append("preempted at least once")
-    fig.legend(handles, labels, loc="outside lower center", ncol=len(handles), fontsize=7, frameon=False)
+    # two entries a row: three long ones side by side are wider than the figure and push its x label out
+    fig.legend(handles, labels, loc="outside lower center", ncol=min(len(handles), 2), fontsize=8, frameon=False)
     ttft = sorted(s[2] - s[1] for s in spans)
     pre = sum(1 for s in spans if s[5])
     alt = (f"Timeline of {len(spans)} requests over {max(s[3] for s in spans):.3g} s: each bar runs from "

@@ -10,7 +10,7 @@ from __future__ import annotations
 import matplotlib.pyplot as plt
 from matplotlib.ticker import PercentFormatter
 
-from .provenance import stamp_figure
+from .provenance import MIN_FONT, readable, stamp_figure
 
 
 def figure(ncols: int = 1, nrows: int = 1, size=(7, 4), **kw):
@@ -18,10 +18,12 @@ def figure(ncols: int = 1, nrows: int = 1, size=(7, 4), **kw):
     return plt.subplots(nrows, ncols, figsize=size, **kw)
 
 
-def finish(fig, model, device, legend=(), fontsize: int = 8, show: bool = True) -> None:
-    """Legends on the axes in ``legend``, tight layout, the provenance stamp, then render."""
+def finish(fig, model, device, legend=(), fontsize: float = MIN_FONT, show: bool = True) -> None:
+    """Legends on the axes in ``legend``, text at reading size, tight layout, the provenance stamp,
+    then render."""
     for ax in legend:
-        ax.legend(fontsize=fontsize)
+        ax.legend(fontsize=max(fontsize, MIN_FONT))
+    readable(fig)
     fig.tight_layout()
     stamp_figure(fig, model, device)
     if show:
