@@ -8,20 +8,30 @@ from matplotlib.patches import FancyArrowPatch, Rectangle
 from .draw import EMPTY, NEW, PAD, PAST, SEEN, Drawing, canvas, grid
 
 
-def static_buffer(max_len: int, position: int, batch: int = 1, name: str = "static cache") -> Drawing:
+def static_buffer(max_len: int, position: int, batch: int = 1, name: str = "static cache",
+                  prefill: int | None = None) -> Drawing:
     """A static cache's buffer of ``max_len`` slots (e.g. ``cache.max_len``) and its position pointer
-    (``int(cache.position)``): slots before it hold tokens, the rest are allocated and unused."""
-    fig, (ax,) = canvas(min(0.3 * max_len + 1.5, 7.5), 0.45 * batch + 1.1)
-    grid(ax, [[PAST if p < position else EMPTY for p in range(max_len)] for _ in range(batch)])
+    (``int(cache.position)``): slots before it hold tokens, the rest are allocated and unused. With
+    ``prefill``, the slots the prefill wrote and those each decode step wrote get their own colours."""
+    fig, (ax,) = canvas(min(0.3 * max_len + 1.5, 7.5), 0.45 * batch + 1.1 + (0.4 if prefill else 0))
+    first = position if prefill is None else prefill
+    grid(ax, [[PAST if p < first else NEW if p < position else EMPTY for p in range(max_len)] for _ in range(batch)])
     for b in range(batch):
         ax.add_patch(Rectangle((0, b), max_len, 1, fill=False, edgecolor="0.4", lw=0.6))
     ax.annotate("position", (position, batch), xytext=(position, batch + 0.9), ha="center", fontsize=8,
                 arrowprops=dict(arrowstyle="-|>", lw=0.8))
     ax.set_ylim(0, batch + 1.3)
     ax.set_xlabel(f"slot (0 .. {max_len - 1}); the next token is written at slot {position}", fontsize=8)
+    split = ""
+    if prefill is not None:
+        ax.legend(handles=[Rectangle((0, 0), 1, 1, color=PAST), Rectangle((0, 0), 1, 1, color=NEW)],
+                  labels=[f"written by the prefill ({prefill} tokens)",
+                          f"written by {position - prefill} decode step{'s' * (position - prefill != 1)}, one slot each"],
+                  loc="upper center", bbox_to_anchor=(0.5, -0.35), ncol=2, fontsize=8, frameon=False)
+        split = f" The prefill wrote slots 0 to {prefill - 1}; decode steps wrote {prefill} to {position - 1}, one each."
     alt = (f"A {name} buffer of {max_len} slots per row, allocated once; {position} are filled and "
            f"the position pointer is at slot {position}, where the next key and value will be written. "
-           f"The other {max_len - position} slots hold nothing yet, and no query attends to them.")
+           f"The other {max_len - position} slots hold nothing yet, and no query attends to them.{split}")
     return Drawing(fig, alt, f"A {name}: one buffer allocated once, written in place at one moving position.")
 
 

@@ -69,6 +69,10 @@ def test_generic_diagrams_for_chapters_7_to_9():
     assert "decode at 1 FLOP/byte, 50 GFLOP/s (memory-bound)" in d.alt and "(compute-bound)" in d.alt
     d = _is_drawing(draw_engine.static_buffer(16, 5))
     assert "5 are filled" in d.alt and "11 slots" in d.alt
+    d = _is_drawing(draw_engine.static_buffer(32, 13, prefill=10))        # chapter 3: the text names the split
+    assert "prefill wrote slots 0 to 9; decode steps wrote 10 to 12" in d.alt
+    assert ["written by the prefill (10 tokens)", "written by 3 decode steps, one slot each"] == [
+        t.get_text() for t in d.figure.axes[0].get_legend().get_texts()]
     a = BlockAllocator(6, 4)
     a.allocate("a", 6)
     a.fork("a", "b")
