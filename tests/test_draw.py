@@ -173,3 +173,15 @@ def test_plots_and_their_stamp_are_readable(tiny):
     assert all(b / a >= 10 ** 0.15 - 1e-9 for a, b in zip(xs, xs[1:]))   # no two labels on top of each other
     assert pts[-1]["x"] in xs                                             # the last batch always named
     plt.close(fig)
+
+
+def test_the_bytes_of_a_decode_step_are_drawn_from_the_roofline_count(tiny):
+    from kvlab import roofline
+    model, _ = tiny
+    d = _is_drawing(draw.step_bytes(model, 2, [8, 64]))
+    bars = d.figure.axes[0].patches
+    assert len(bars) == 8                                           # four parts, two context lengths
+    for i, s in enumerate((8, 64)):
+        total = sum(b.get_width() for b in bars if abs(b.get_y() + b.get_height() / 2 - i) < 1e-6)
+        assert total * 1e6 == pytest.approx(roofline.decode_step_bytes(model, 2, s), rel=1e-9)
+    assert "plus the cache" in d.alt
