@@ -370,7 +370,7 @@ def test_quantize_refuses_integers_and_empty_tensors():
 
 def test_pack_refuses_codes_that_do_not_fit():
     raises(ValueError, lambda: quant.pack(torch.tensor([200, 3], dtype=torch.uint8), 4), "at most 15", "200")
-    raises(ValueError, lambda: quant.pack_2bit(torch.tensor([4, 0, 0, 0], dtype=torch.uint8)), "at most 3")
+    raises(ValueError, lambda: quant.pack(torch.tensor([4, 0, 0, 0], dtype=torch.uint8), 2), "at most 3")
     raises(ValueError, lambda: quant.pack(torch.zeros(200, 3, dtype=torch.uint8), 4), "multiple of 2")
     raises(ValueError, lambda: quant.pack(torch.tensor(3, dtype=torch.uint8), 4), "0-d")
     raises(ValueError, lambda: quant.unpack(torch.zeros(4, dtype=torch.long), 4), "uint8")
