@@ -157,7 +157,8 @@ def faster(a: Timing, b: Timing, device, name_a: str | None = None, name_b: str 
     how = f"medians of {c.n} interleaved run{'s' if c.n != 1 else ''} {on(device)}"
     interval = f"time ratio {c.ratio:.2f}, {c.low:.2f} to {_num(c.high)} within the runs' spread"
     if c.verdict == "none":
-        return f"{name_a} and {name_b}: {interval}: {relation(c, name_a, name_b, noise=noise)}; {how}"
+        return (f"{name_a} and {name_b}: time ratio {c.ratio:.2f} ({c.low:.2f} to {_num(c.high)} within the runs' "
+                f"spread), {relation(c, name_a, name_b, noise=noise)}; {how}")
     win, lose = (name_a, name_b) if c.ratio < 1 else (name_b, name_a)
     r = max(c.ratio, 1 / c.ratio)
     return f"{win} is {r:.2f}x faster than {lose} ({interval}): {relation(c, win, lose, noise=noise)}; {how}"
