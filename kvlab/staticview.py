@@ -44,12 +44,11 @@ def fastest_sentence(rows, model) -> str:
     where = f"{best['threads']} thread{'s' * (best['threads'] > 1)}, {best['device']}"
     rival = min((r for r in mine if r is not best), key=lambda r: r["per_token"])
     c = verdicts.compare_timings(best["timing"], rival["timing"])
-    lead = (f"the lowest median time per token is '{best['generator']}''s; the runner-up, '{rival['generator']}', "
-            f"takes {rival['per_token'] / best['per_token']:.2f}x as long ("
-            + verdicts.relation(c, f"'{best['generator']}'", f"'{rival['generator']}'") + ")")
-    return (f"On {model} ({where}) {lead}: {best['per_token'] * 1e3:.3f} ms per token, "
-            f"{base['per_token'] / best['per_token']:.2f}x transformers' eager generate and "
-            f"{best['ratio']:.2f}x the floor.")
+    return (f"On {model} ({where}) the lowest median time per token is that of '{best['generator']}': "
+            f"{best['per_token'] * 1e3:.3f} ms per token, {base['per_token'] / best['per_token']:.2f}x transformers' "
+            f"eager generate and {best['ratio']:.2f}x the floor; the runner-up, '{rival['generator']}', takes "
+            f"{rival['per_token'] / best['per_token']:.2f}x as long: "
+            + verdicts.relation(c, f"'{best['generator']}'", f"'{rival['generator']}'") + ".")
 
 
 def compile_sentence(rows, model) -> str:
@@ -138,7 +137,7 @@ def breakdown_sentence(parts: list[dict]) -> str:
                  + verdicts.relation(c, b["part"], second["part"]))
     return (f"On {b['model']} ({b['where']}), the part of the profiled compiled step farthest above its floor "
             f"is {b['part']}: {b['seconds'] * 1e3:.3f} ms against a floor of {b['floor'] * 1e3:.4f} ms, "
-            f"{verdicts.share(b['excess'].median, [x['excess'].median for x in parts])}; {then}.")
+            f"{verdicts.share(b['excess'].median, [x['excess'].median for x in parts], label=' above it')}; {then}.")
 
 
 def profiler_sentence(parts: list[dict]) -> str:

@@ -168,17 +168,19 @@ def _num(x: float) -> str:
     return "unbounded" if math.isinf(x) else f"{x:.2f}"
 
 
-def share(part: float, parts, unit: str = "ms", scale: float = 1e3, what: str = "above their floors") -> str:
+def share(part: float, parts, unit: str = "ms", scale: float = 1e3, what: str = "above their floors",
+          label: str = "") -> str:
     """``part`` as a share of the positive ``parts``: ``"3.955 ms, 84% of the 4.710 ms the parts
     spend above their floors (one part ran 3.940 ms under its floor)"``. A part measured under its
-    floor is negative; summing it in would make a part exceed its whole, so it is named apart."""
+    floor is negative; summing it in would make a part exceed its whole, so it is named apart.
+    ``label`` follows the part's value (``" above it"``)."""
     parts = list(parts)
     pos = sum(p for p in parts if p > 0)
     neg = [p for p in parts if p < 0]
     if part <= 0 or pos <= 0:
-        head = f"{part * scale:.3f} {unit}, none of the {pos * scale:.3f} {unit} the parts spend {what}"
+        head = f"{part * scale:.3f} {unit}{label}, none of the {pos * scale:.3f} {unit} the parts spend {what}"
     else:
-        head = f"{part * scale:.3f} {unit}, {part / pos:.0%} of the {pos * scale:.3f} {unit} the parts spend {what}"
+        head = f"{part * scale:.3f} {unit}{label}, {part / pos:.0%} of the {pos * scale:.3f} {unit} the parts spend {what}"
     if not neg:
         return head
     under = " and ".join(f"{-p * scale:.3f} {unit}" for p in neg)

@@ -177,3 +177,18 @@ def test_throughput_that_grows_more_than_the_floors_is_explained():
     assert "batch 32: 9.5x" in text
     below = [dict(batch=1, measured=2e-3, floor=1e-3), dict(batch=8, measured=4e-3, floor=1.5e-3)]
     assert "not faster than" not in fv.throughput_sentence(below)
+
+
+def test_chapter_8s_fastest_sentence_words_the_runner_up_by_the_verdict():
+    from kvlab import generators as G, staticview as sv
+    def r(name, samples, ratio):
+        t = Timing(name, samples)
+        return dict(model="m", generator=name, per_token=t.median, threads=1, device="cpu", ratio=ratio, timing=t)
+    rows = [r(G.TRANSFORMERS, [3.0, 3.1, 2.9], 7.0), r(G.HAND_BUILT, [1.09, 1.1, 1.08], 4.8),
+            r(G.HAND_BUILT_COMPILED, [1.0, 1.01, 0.99], 4.4)]
+    text = sv.fastest_sentence(rows, "m")
+    assert f"lowest median time per token is that of '{G.HAND_BUILT_COMPILED}': 1000.000 ms" in text
+    assert "3.00x transformers' eager generate" in text
+    assert "takes 1.09x as long: no difference measured (medians within 10%)." in text
+    rows[1] = r(G.HAND_BUILT, [2.0, 2.1, 1.9], 8.8)
+    assert "takes 2.00x as long: faster in every one of the 3 rounds." in sv.fastest_sentence(rows, "m")
