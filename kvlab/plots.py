@@ -77,6 +77,7 @@ def bars_against_floor(ax, rows: list[dict], group_key, variant_key: str, varian
     for i, g in enumerate(groups):
         floor = next(r["floor_per_token"] for r in rows if group_key(r) == g)
         ax.hlines(floor * 1e3, i - 0.45, i + 0.45, color="k", lw=2, label="floor" if i == 0 else None)
-    ax.set_xticks(range(len(groups)), [group_label(g) for g in groups], fontsize=8)
+    ax.set_xticks(range(len(groups)), [group_label(g) for g in groups], fontsize=MIN_FONT)
     ax.set(yscale="log", ylabel="ms per token (log)", title=title)
-    ax.legend(fontsize=7)
+    # beside the axes, not over the bars: the tallest bars reach the top-right corner
+    ax.legend(fontsize=MIN_FONT, loc="upper left", bbox_to_anchor=(1.01, 1), frameon=False)
