@@ -317,12 +317,12 @@ def best_of(samples: dict[str, list[float]], what: str, device, lower_is_better:
 
 def plot_latency_throughput(rows: list[dict], ax, latency: str = "e2e_p90") -> None:
     """Latency against throughput, one line per policy, one point per arrival rate (labelled)."""
-    for p in dict.fromkeys(r["policy"] for r in rows):
+    for k, p in enumerate(dict.fromkeys(r["policy"] for r in rows)):
         pts = sorted((r for r in rows if r["policy"] == p), key=lambda r: r["rate"])
-        ax.plot([r["tokens_per_s"] for r in pts], [r[latency] for r in pts], "o-", label=p)
-        for r in pts:
-            ax.annotate(f"{r['rate']:.2g}/s", (r["tokens_per_s"], r[latency]), fontsize=7,
-                        textcoords="offset points", xytext=(3, 3))
+        line, = ax.plot([r["tokens_per_s"] for r in pts], [r[latency] for r in pts], "o-", label=p)
+        for r in pts:   # policies alternate above and below their points: two labels at one rate stay apart
+            ax.annotate(f"{r['rate']:.2g}/s", (r["tokens_per_s"], r[latency]), fontsize=8, color=line.get_color(),
+                        textcoords="offset points", xytext=(4, 4) if k % 2 == 0 else (4, -12))
     ax.set(xlabel="throughput (output tokens/s)", ylabel=f"{latency.replace('_', ' ')} latency (s)",
            yscale="log", title="Latency against throughput, one point per arrival rate")
     ax.legend()
