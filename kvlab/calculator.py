@@ -106,7 +106,7 @@ def _chart_png(r: dict, title: str) -> bytes:
     readable(fig)
     fig.tight_layout()
     buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=90, bbox_inches="tight")   # the legend sits right of the axes
+    fig.savefig(buf, format="png", dpi=110, bbox_inches="tight")   # the legend sits right of the axes
     return buf.getvalue()
 
 
