@@ -1,6 +1,6 @@
 """Measuring the serving engine (chapter 9): workloads, Poisson arrivals, serving metrics, the floor,
 sweeps, computed sentences and the plot. The engine (:mod:`kvlab.serving`) prints and measures
-nothing; this does (tables go through :func:`kvlab.harness.print_table`).
+nothing; this does (tables go through :func:`kvlab.tables.show`).
 
 Metrics, from the engine's trace (times on its :class:`~kvlab.serving.clock.Clock`, idle gaps skipped):
 
@@ -19,7 +19,7 @@ import random
 
 import torch
 
-from .progress import bar   # the module's name is also interleaved_runs' progress flag
+from .progress import bar
 from .serving.reference import References
 from .paged import BlockAllocator, blocks_for
 from .paged_cache import PagedPool

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import expect_rejected
+from utils import expect_rejected
 from kvlab import roofline
 from kvlab.course.checks import (check_bound_and_critical, check_decode_step_bytes, check_overhead_fit,
                           check_step_time_floor, check_sweep_plan)

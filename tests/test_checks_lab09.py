@@ -7,7 +7,7 @@ import torch
 from kvlab.course.checks import check_block_allocator, check_paged_gather, check_paged_generate
 from kvlab.paged import BlockAllocator, OutOfBlocks, paged_gather
 
-from conftest import expect_rejected
+from utils import expect_rejected
 
 # ---------------------------------------------------------------------------------------------------
 # Correct, but unlike the library's
