@@ -118,4 +118,6 @@ def stamp_figure(fig, model, device=None) -> None:
     :func:`readable`."""
     fig.text(0.005, 0.005, stamp(model, device), fontsize=MIN_FONT, color="0.35", ha="left", va="bottom")
     readable(fig)
-    fig.subplots_adjust(bottom=max(fig.subplotpars.bottom, 0.17))
+    # room for the stamp under what is already laid out (tick labels, x label), at its own size
+    room = 2.0 * min_font(fig) / 72 / fig.get_figheight()
+    fig.subplots_adjust(bottom=min(max(fig.subplotpars.bottom + room, 0.17), 0.45))
