@@ -56,6 +56,10 @@ class GPTConfig:
     def head_dim(self) -> int:
         return self.n_embd // self.n_head
 
+    def cache_dims(self) -> tuple[int, int]:
+        """``(heads, head_dim)`` of what the cache stores per token and layer (chapter 11 shrinks it)."""
+        return self.n_head, self.head_dim
+
 
 # ---------------------------------------------------------------------------------------------------
 # Attention
@@ -250,7 +254,7 @@ class GPT2(nn.Module):
         """An empty cache for this model (``cache_cls``, a :class:`PreallocatedCache` by default);
         ``max_len`` defaults to the whole context, ``n_positions``."""
         cfg, p = self.config, self.wte.weight
-        return self.cache_cls(cfg.n_layer, batch_size, cfg.n_head, cfg.head_dim,
+        return self.cache_cls(cfg.n_layer, batch_size, *cfg.cache_dims(),
                               max_len or cfg.n_positions, dtype or p.dtype, device or p.device)
 
     @classmethod

@@ -17,7 +17,8 @@ REPO = ROOT.parent
 # only other domain modules (and third-party libraries).
 DOMAIN = {"gpt2", "cache", "validate", "configs", "catalogue", "paths", "memory", "flops", "quant",
           "quant_cache", "batching", "roofline", "static", "paged", "paged_cache", "pastlen", "serving", "loading",
-          "reference", "quality"}
+          "reference", "quality", "speculative", "drafts", "specbatch",
+          "gqa", "window", "latent", "designs"}
 
 
 def modules():
