@@ -35,6 +35,7 @@ import torch.nn.functional as F
 
 from .cache import EMPTY, PreallocatedCache, visible
 from .pastlen import PastLenCache, as_cache
+from .ragged import Segments
 from .validate import check_inputs
 from .validate import check_context
 
@@ -151,7 +152,10 @@ class CausalSelfAttention(nn.Module):
             key_pos = rule.positions[:, None, :]   # no past: the keys are the new tokens themselves
         else:
             k, v, key_pos = cache.update(layer, k, v, rule.positions)   # every key the queries may need
-        y = attention_fn(q, k, v, rule.mask(key_pos))                   # [B, 1, T, S]: the one rule
+        if isinstance(key_pos, Segments):   # a ragged step: each sequence's queries see its keys only
+            y = key_pos.attend(q, k, v, attention_fn, rule.additive)
+        else:
+            y = attention_fn(q, k, v, rule.mask(key_pos))               # [B, 1, T, S]: the one rule
         return self.c_proj(y.transpose(1, 2).reshape(B, T, C))
 
 

@@ -20,10 +20,10 @@ from kvlab.cache import ConcatCache, PreallocatedCache, SlidingWindowKVCache
 from kvlab.reference import cached_generate, hf_greedy, naive_generate
 from kvlab.gpt2 import GPT2, generate, generate_uncached
 from kvlab.harness import rewind_and_regenerate, rewinding_step
-from kvlab.paged_cache import PagedCache, PagedPool, ragged_forward
+from kvlab.paged_cache import PagedCache
 from kvlab.quant_cache import TOLERANCE, AbsmaxFakeInt8Cache, QuantizedKVCache
 from kvlab.quantbench import agreement, score_through_cache
-from kvlab.serving import Engine
+from kvlab.serving import BlockManager, Engine, Runner, Sequence
 from kvlab.serving.reference import reference_tokens
 from kvlab.static import StaticKVCache, StaticDecoder
 
@@ -132,18 +132,21 @@ def test_serving_engine_gives_each_prompt_its_own_tokens(setup, prompts, want):
 
 
 def test_ragged_step_by_hand(setup, prompts, want):
-    """The paged cache alone, one ragged step at a time: two prefills in one step, then both decode."""
+    """The runner alone, one ragged step at a time: two prefills in one step, then both decode, each
+    query scoring its own sequence's keys only (kvlab.ragged.Segments)."""
     _, _, ours = setup
     (a_name, a), (b_name, b) = prompts[0], prompts[5]
-    cache = PagedPool.for_model(ours, num_blocks=32, block_size=4)
-    logits = ragged_forward(ours, cache, ["a", "b"], [a[0].tolist(), b[0].tolist()])
-    out = [[t] for t in logits.argmax(-1).tolist()]
-    for _ in range(N - 1):
-        logits = ragged_forward(ours, cache, ["a", "b"], [out[0][-1:], out[1][-1:]])
-        for row, t in zip(out, logits.argmax(-1).tolist()):
-            row.append(t)
-    assert out == [want[a_name][0, -N:].tolist(), want[b_name][0, -N:].tolist()]
-    assert cache.lengths == {"a": a.shape[1] + N - 1, "b": b.shape[1] + N - 1}
+    blocks, runner = BlockManager(32, 4, prefix_caching=False), Runner(ours, 32, 4)
+    seqs = [Sequence(name, tuple(x[0].tolist()), N) for name, x in (("a", a), ("b", b))]
+    for _ in range(N):
+        work = []
+        for s in seqs:
+            runner.copy_blocks(blocks.allocate(s, s.num_tokens))
+            work.append((s, s.to_compute))
+        for (s, n), t in zip(work, runner.run(work)):
+            s.num_computed += n
+            s.append(t)
+    assert [s.output for s in seqs] == [want[a_name][0, -N:].tolist(), want[b_name][0, -N:].tolist()]
 
 
 def test_left_padded_batches(setup):
@@ -239,6 +242,32 @@ def test_reference_tokens_is_chapter_3(setup, prompts, want):
     _, _, ours = setup
     for name, ids in prompts:
         assert reference_tokens(ours, ids[0].tolist(), N) == want[name][0, -N:].tolist()
+
+
+def test_serving_features_sampling_stop_n_and_preemption_with_prefix_caching(setup, prompts):
+    """Chapter 9's engine, with what servers offer: per-request sampling with a seed (the same tokens as the
+    uncached sampler with the same generator), stop tokens, n > 1 samples forked from the prompt's blocks
+    (copy-on-write), and preemption with prefix caching on (the recompute finds the victim's own blocks)."""
+    from kvlab.serving import SamplingParams
+    from kvlab.serving.reference import reference_tokens, sampled_reference
+    _, _, ours = setup
+    eng = Engine(ours, num_blocks=14, block_size=4, max_num_batched_tokens=16, max_num_seqs=4)
+    hot = SamplingParams(temperature=0.9, top_k=40, top_p=0.9, seed=7, n=3)
+    text0 = prompts[0][1][0].tolist()
+    multi = eng.submit(text0, 10, sampling=hot)
+    greedy = [eng.submit(ids[0].tolist(), N) for _, ids in prompts[1:4]]
+    first = reference_tokens(ours, prompts[4][1][0].tolist(), N)
+    stop = eng.submit(prompts[4][1][0].tolist(), N, sampling=SamplingParams(stop=(first[3],)))
+    eng.run()
+    samples = [multi] + [eng.seqs[(multi.rid, i)] for i in (1, 2)]
+    for i, s in enumerate(samples):
+        assert s.output == sampled_reference(ours, text0, 10, hot, offset=i), i
+    assert len({tuple(s.output) for s in samples}) > 1                 # three samples, not one copied
+    for (_, ids), s in zip(prompts[1:4], greedy):
+        assert s.output == reference_tokens(ours, ids[0].tolist(), N)
+    assert stop.output == first[:first.index(first[3]) + 1]            # ends on its stop token
+    assert eng.blocks.copies >= 1 and eng.scheduler.preemptions >= 1
+    assert any(s.preemptions and s.cached_tokens for s in eng.seqs.values())   # a recompute found its blocks
 
 
 def speculative_drafts(hf_ours):
