@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import expect_rejected
+from conftest import expect_rejected, own_copy
+from kvlab import memory as _ch4_memory
 from kvlab import roofline
 from kvlab.course.checks import (check_bound_and_critical, check_decode_step_bytes, check_overhead_fit,
                           check_step_time_floor, check_sweep_plan)
@@ -104,9 +105,14 @@ WRONG_BYTES = {
     "state between calls": (_stateful(), ["called twice with the same arguments"]),
     "the library handed in": (roofline.decode_step_bytes, ["library's own", "write it"]),
     "the library called": (lambda m, B, S: roofline.decode_step_bytes(m, B, S),
-                           ["calls kvlab.roofline.decode_step_bytes", "write your own"]),
+                           ["ran kvlab.roofline.decode_step_bytes", "write it yourself"]),
     "the library's helper called": (lambda m, B, S: roofline.weight_read_bytes(m, B) + _kv(m, B, S),
                                     ["kvlab.roofline.weight_read_bytes"]),
+    # chapter 4's formula is not on lab 7's list (only decode_step_flops is given): refused when it runs
+    "chapter 4's formula from the library": (lambda m, B, S: _weights(m, B) + _ch4_memory.kv_cache_bytes(
+        m.config, S, B, next(m.parameters()).dtype), ["ran kvlab.memory.kv_cache_bytes"]),
+    "the library bound as a default argument": (lambda m, B, S, _f=roofline.step_bytes: _f(m, B, B, B * S),
+                                                ["ran kvlab.roofline.step_bytes"]),
 }
 
 
@@ -162,8 +168,8 @@ def named_parameters_dedup(model, B, S):
     return total + _kv(model, B, S)
 
 
-def with_kvlab_memory(model, B, S):
-    from kvlab.memory import kv_cache_bytes
+def with_own_lab4_formula(model, B, S):
+    kv_cache_bytes = own_copy(_ch4_memory.kv_cache_bytes)      # the learner's own lab 4 answer, copied in
     dtype = next(model.parameters()).dtype
     rows = sum(B * t.shape[1] for t in _tables(model))
     table = sum(t.numel() for t in _tables(model))
@@ -177,7 +183,7 @@ def memoised_correctly(model, B, S, _memo={}):    # noqa: B006 - a cache keyed o
     return _memo[key]
 
 
-@pytest.mark.parametrize("impl", [right, numpy_ints, named_parameters_dedup, with_kvlab_memory, memoised_correctly])
+@pytest.mark.parametrize("impl", [right, numpy_ints, named_parameters_dedup, with_own_lab4_formula, memoised_correctly])
 def test_bytes_unusual_correct_pass(impl, capsys):
     check_decode_step_bytes(impl)
     assert "PASSED" in capsys.readouterr().out
@@ -210,7 +216,7 @@ WRONG_FLOOR = {
     "the library handed in": (roofline.step_time_floor, ["library's own"]),
     "the library's bytes": (lambda m, B, S, bw, fl: max(roofline.decode_step_bytes(m, B, S) / bw,
                                                         decode_step_flops(m, B, S) / fl),
-                            ["calls kvlab.roofline.decode_step_bytes"]),
+                            ["ran kvlab.roofline.decode_step_bytes"]),
 }
 
 
@@ -330,7 +336,7 @@ WRONG_CRIT = {
     "a float batch": (lambda *a: (closed_form(*a)[0], float(closed_form(*a)[1] or 1)), ["positive int or None"]),
     "not a pair": (lambda *a: closed_form(*a)[1], ["pair (bound, critical_batch)"]),
     "the library called": (lambda m, B, S, bw, fl: (_bound(m, B, S, bw, fl), roofline.critical_batch(m, S, bw, fl)),
-                           ["calls kvlab.roofline.critical_batch"]),
+                           ["ran kvlab.roofline.critical_batch"]),
 }
 
 

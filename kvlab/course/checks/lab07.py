@@ -25,7 +25,6 @@ from __future__ import annotations
 import functools
 import math
 import numbers
-import sys
 from contextlib import contextmanager
 
 import torch
@@ -41,44 +40,6 @@ NAME_FIT = "check_overhead_fit"
 
 # ---------------------------------------------------------------------------------------------------
 # Guards shared by the graders
-
-# The library's answers: a learner's function that hands them in (or calls them) is told to write
-# their own. decode_step_flops stays allowed: the lab imports it.
-_ANSWERS = {
-    NAME_BYTES: ("decode_step_bytes", "step_bytes", "weight_read_bytes", "lookup_bytes", "lookup_tables",
-                 "step_terms", "generation_bytes"),
-    NAME_FLOOR: ("decode_step_bytes", "step_bytes", "step_time_floor", "forward_floor", "step_terms",
-                 "generation_floor"),
-    NAME_FIT: (),
-    NAME_CRIT: ("decode_step_bytes", "step_bytes", "step_time_floor", "forward_floor", "step_terms",
-                "critical_batch", "critical_batch_curve"),
-}
-
-
-def _library_codes(check):
-    return {getattr(roofline, n).__code__: n for n in _ANSWERS[check]}
-
-
-@contextmanager
-def _watch_library(check, found: list):
-    """Record any call into the library's answers while the learner's function runs."""
-    codes, previous = _library_codes(check), sys.getprofile()
-
-    def profiler(frame, event, arg):
-        if event == "call" and frame.f_code in codes:
-            found.append(codes[frame.f_code])
-    sys.setprofile(profiler)
-    try:
-        yield
-    finally:
-        sys.setprofile(previous)
-
-
-def _refuse_library(check, fn) -> None:
-    if getattr(fn, "__module__", "") and str(fn.__module__).startswith("kvlab."):
-        raise fail(check, f"you handed in {fn.__module__}.{getattr(fn, '__name__', fn)}, the library's own "
-                          "function: the lab grades yours. Write it from the chapter's formula")
-
 
 class _TooSlow(Exception):
     pass
@@ -113,9 +74,8 @@ def _call(check, fn, label, args):
     failures."""
     names = ("batch_size", "seq_len", "bandwidth", "flops")
     shown = ", ".join(f"{k}={a!r}" for k, a in zip(names, args[1:]))
-    found: list = []
     try:
-        with _deadline(TIME_LIMIT_S), _watch_library(check, found):
+        with _deadline(TIME_LIMIT_S):
             out = fn(*args)
     except _TooSlow:
         raise fail(check, f"your function did not return within {TIME_LIMIT_S:.0f} s on <{label}> ({shown}). "
@@ -126,9 +86,6 @@ def _call(check, fn, label, args):
     except Exception as e:  # noqa: BLE001 - the learner's exception becomes a pointed message
         raise fail(check, f"your function raised {type(e).__name__}: {e} when called with "
                           f"(<{label}>, {shown})") from None
-    if found:
-        raise fail(check, f"your function calls kvlab.roofline.{found[0]}, the library's answer to this "
-                          "exercise: write your own from the chapter's formula")
     return out
 
 
@@ -136,11 +93,9 @@ def _shape(model):
     return [(p.shape, p.dtype, p.device) for p in model.parameters()]
 
 
-def _run_all(check, fn, cases, args_of, handed_in=None):
+def _run_all(check, fn, cases, args_of):
     """Call ``fn`` on every case, then again in reverse order: the same arguments must give the same
-    answer, and the model must come back unchanged. ``handed_in``: the learner's own function when
-    ``fn`` wraps it."""
-    _refuse_library(check, handed_in or fn)
+    answer, and the model must come back unchanged."""
     first = []
     for c in cases:
         before = _shape(c["model"])
@@ -629,7 +584,7 @@ def _grade_fit(overhead_fit) -> None:
     cases = [dict(label=f"fit case {i + 1}", model=torch.nn.Linear(1, 1), f=f, m=m, want=(a, k))
              for i, (f, m, a, k) in enumerate(_fit_cases())]
     raw = _run_all(NAME_FIT, lambda model, f, m: overhead_fit(list(f), list(m)), cases,
-                   lambda c: (c["model"], c["f"], c["m"]), handed_in=overhead_fit)
+                   lambda c: (c["model"], c["f"], c["m"]))
     got = []
     for c, out in zip(cases, raw):
         if not isinstance(out, (tuple, list)) or len(out) != 2 or not all(isinstance(v, numbers.Real) for v in out):
