@@ -8,7 +8,7 @@ from kvlab.course.checks import check_prefix_cache, check_scheduler
 from kvlab.paged import OutOfBlocks
 from kvlab.serving import Batch, BlockManager, Scheduler, Status
 
-from conftest import expect_rejected
+from conftest import expect_rejected, own_copy
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -49,8 +49,16 @@ class IndexScheduler(Scheduler):
         return batch
 
 
+def _typed_in_schedule():
+    """The library's algorithm typed in by the learner (its source run outside kvlab), returning the
+    engine's Batch as the contract says."""
+    schedule = own_copy(Scheduler).schedule
+    schedule.__globals__["Batch"] = Batch
+    return schedule
+
+
 class Copied(Scheduler):
-    schedule = Scheduler.schedule          # the library's algorithm, typed in by the learner: correct
+    schedule = _typed_in_schedule()            # correct
 
 
 def test_correct_schedulers_pass(tiny):
@@ -59,8 +67,29 @@ def test_correct_schedulers_pass(tiny):
 
 
 def test_the_library_handed_in_is_refused():
-    expect_rejected(check_scheduler, Scheduler, "kvlab.serving.Scheduler's own", "write your own")
+    expect_rejected(check_scheduler, Scheduler, "does not define schedule itself", "write it yourself")
     expect_rejected(check_scheduler, int, "subclasses kvlab.serving.Scheduler")
+
+
+class Bound(Scheduler):
+    schedule = Scheduler.schedule          # the library's function bound in, not written
+
+
+class CallsSuper(Scheduler):
+    def schedule(self):                    # a trivial override: the library's decision runs
+        return super().schedule()
+
+
+class Forwards(Scheduler):
+    def schedule(self, _impl=Scheduler.schedule):      # the library's, as a default argument
+        return _impl(self)
+
+
+def test_the_library_one_step_removed_is_refused_by_what_runs():
+    """Issue 34, kind 1: a bound copy, a super() call, a default argument: refused, naming what ran."""
+    expect_rejected(check_scheduler, Bound, "does not define schedule itself")
+    for cls in (CallsSuper, Forwards):
+        expect_rejected(check_scheduler, cls, "ran kvlab.serving.scheduler.Scheduler.schedule", "write it yourself")
 
 
 def _variant(**changes):
@@ -203,13 +232,22 @@ class WalkCache(BlockManager):
 def test_correct_prefix_caches_pass():
     check_prefix_cache(WalkCache)
 
+    mine = own_copy(BlockManager)
+
     class Copied(BlockManager):
-        lookup, evict = BlockManager.lookup, BlockManager.evict
+        lookup, evict = mine.lookup, mine.evict      # typed in by the learner: correct
     check_prefix_cache(Copied)
 
 
 def test_the_library_block_manager_is_refused():
-    expect_rejected(check_prefix_cache, BlockManager, "kvlab's own", "write your own")
+    expect_rejected(check_prefix_cache, BlockManager, "does not define lookup, evict itself", "write it yourself")
+
+    class LookupForwards(BlockManager):
+        def lookup(self, tokens):
+            return BlockManager.lookup(self, tokens)
+
+        evict = own_copy(BlockManager).evict
+    expect_rejected(check_prefix_cache, LookupForwards, "ran kvlab.serving.block_manager.BlockManager.lookup")
 
 
 class KeepsOldKey(WalkCache):
