@@ -1,6 +1,21 @@
 """Shared pieces of the graders: the grading model, fresh prompts, messages, and the guards every
 generation grader uses (a private copy of the model, a record of every forward call, a refused
-``model.generate``, a learner's exception wrapped with the call that raised it)."""
+``model.generate``, a learner's exception wrapped with the call that raised it).
+
+THE RULE of what a learner's code may run of kvlab (labs 7 on; chapters 10 and 11's labs follow it, and
+state it in their first cell as labs 7-9 do): a learner writes each exercise with Python, torch and
+transformers. Of kvlab, their code may run only (a) the tools, :data:`TOOL_MODULES` (loading,
+provenance, paths, timing, plots, progress, validate), and (b) what the exercise hands over: the
+objects a grader passes in (the model, the engine's scheduler and block manager, a compiled step) and
+the functions a lab names as given. Nothing else of kvlab may run on behalf of their code: not the
+library's answer, not its other functions or classes, however reached (a lambda's attribute chain, a
+default argument, a class forwarding to the library's, a subclass inheriting its method, the pieces
+assembled in an end-to-end check). It is enforced by what RUNS (:class:`LibraryWatch`, a profiler over
+the whole check), not by names; a grader declares its ``given`` (and, where the exercise is to extend a
+library class, the ``graded`` methods the learner must define) in ``checks/__init__.py``'s ``_RULES``.
+A new grader adds its line there; its tests show the library one step removed refused and a learner's
+own copy of the library's code (``tests/conftest.own_copy``) accepted. Labs 1-6 still refuse by name
+(:func:`refuse_library`)."""
 
 from __future__ import annotations
 

@@ -118,7 +118,7 @@ def _verify_victims(sch, snap, batch, where) -> None:
         if newer:
             raise fail(NAME_SCHED, f"{where}: you preempted request {v.rid} while request {newer[-1].rid}, admitted "
                                    f"after it, held blocks and had not run in this step: preempt the newest running "
-                                   "sequence not yet scheduled (reversed(self.running)), so the oldest are never starved")
+                                   "sequence not yet scheduled (the last admitted), so the oldest are never starved")
     if victims and snap["need"] <= snap["free"]:
         raise fail(NAME_SCHED, f"{where}: you preempted {[v.rid for v in victims]} although the {snap['free']} free "
                                f"blocks could hold every running sequence's next tokens ({snap['need']} blocks): "
@@ -337,12 +337,12 @@ def check_prefix_cache(BlockManager) -> None:
 _PREFIX_HINTS = {
     "a prompt that starts with a cached one": "Walk the prompt's full blocks in order with their chained keys "
         "(self._keys) and stop at the first miss.",
-    "a prompt that is exactly 3 cached blocks (its last token must still run)": "Look up tokens[:-1]: the last "
-        "token's logits are the first output, so at least that token must run.",
+    "a prompt that is exactly 3 cached blocks (its last token must still run)": "A full-block match "
+        "must leave the prompt's last token out: its logits are the first output, so at least that token must run.",
     "a block whose tokens match but whose prefix does not": "A key must name the whole prefix (tokens and the "
         "parent's key), not the block's tokens alone; and stop at the first miss.",
     "the least recently used block evicted first (A's tail)": "evict() takes the least recently used unreferenced "
-        "block: self.cached is ordered oldest first (popitem(last=False)).",
+        "block: self.cached is ordered least recently used first, and you took the other end.",
     "the most recently used prompt kept": "evict() takes the least recently used unreferenced block.",
     "an evicted block, reused for other tokens, never found by its old key": "You find an evicted block by its old "
         "key: forget the key (self.block_of and self.key_of) when you evict the block.",
