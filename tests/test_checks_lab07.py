@@ -378,11 +378,28 @@ def test_sweep_plan(capsys):
         check_sweep_plan([1, 8, 4, 64], tiny, 64, bw, fl)
     with pytest.raises(AssertionError, match="positive ints"):
         check_sweep_plan([1, 2.0, 64], tiny, 64, bw, fl)
-    check_sweep_plan([1, 2], tiny, 64, 1e9, 1e15)                           # no critical batch: nothing to reach
+    # a range and a numpy array are lists of batches too (issue 34, kind 8)
+    check_sweep_plan(range(1, 2 * crit + 1), tiny, 64, bw, fl)
+    check_sweep_plan(np.array([1, 2, crit + 1, 2 * crit]), tiny, 64, bw, fl)
+
+
+def test_sweep_plan_can_fail_where_there_is_no_bend(capsys):
+    """Issue 34, kind 5: with no critical batch, or one whose twice does not fit, any list used to pass."""
+    tiny = grading_model()[0]
+    with pytest.raises(AssertionError, match="no batch is compute-bound.*four batches spanning a factor of 8"):
+        check_sweep_plan([1, 2], tiny, 64, 1e9, 1e15)
+    with pytest.raises(AssertionError, match="four batches spanning"):
+        check_sweep_plan([3, 4, 5, 6], tiny, 500, 1e9, 1e15)                # a second input: too narrow
+    check_sweep_plan([1, 2, 4, 8], tiny, 64, 1e9, 1e15)
     assert "no batch is compute-bound" in capsys.readouterr().out
     llama = roofline.meta_model("Llama-3.1-8B", torch.bfloat16)
-    check_sweep_plan([1, 2], llama, 100_000, 1e12, 1e12)                    # past the lab's memory budget
-    assert "beyond the lab's budget" in capsys.readouterr().out
+    with pytest.raises(AssertionError, match="beyond the lab's budget"):
+        check_sweep_plan([1, 2, 4, 8], llama, 100_000, 1e12, 1e12)          # batch 8 does not fit
+    # at 128 positions the critical batch (439 at these rates) is past what fits (128 rows): no bend
+    assert roofline.critical_batch(llama, 128, 3.35e12, 990e12) > 128
+    with pytest.raises(AssertionError, match="would not fit the budget"):
+        check_sweep_plan([1, 2], llama, 128, 3.35e12, 990e12)
+    check_sweep_plan([1, 4, 16, 128], llama, 128, 3.35e12, 990e12)
 
 
 # ---- overhead_fit

@@ -5,7 +5,8 @@ generation grader uses (a private copy of the model, a record of every forward c
 THE RULE of what a learner's code may run of kvlab (labs 7 on; chapters 10 and 11's labs follow it, and
 state it in their first cell as labs 7-9 do): a learner writes each exercise with Python, torch and
 transformers. Of kvlab, their code may run only (a) the tools, :data:`TOOL_MODULES` (loading,
-provenance, paths, timing, plots, progress, validate), and (b) what the exercise hands over: the
+provenance, paths, timing, plots, progress, validate) and the cache interface ``kvlab.cache.Cache``
+(a base class a learner's cache may take), and (b) what the exercise hands over: the
 objects a grader passes in (the model, the engine's scheduler and block manager, a compiled step) and
 the functions a lab names as given. Nothing else of kvlab may run on behalf of their code: not the
 library's answer, not its other functions or classes, however reached (a lambda's attribute chain, a
@@ -715,7 +716,8 @@ class LibraryWatch:
     ``given``: see :func:`_given_codes`."""
 
     def __init__(self, given=()):
-        self.given = _given_codes(given)
+        from kvlab.cache import Cache       # the one cache interface: a learner's cache may take it as a base
+        self.given = _given_codes(tuple(given) + (Cache,))
         self.ran: list[tuple[str, str]] = []        # (library function, the learner's line that ran it)
 
     def _profile(self, frame, event, arg):

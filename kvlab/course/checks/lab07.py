@@ -517,32 +517,54 @@ check_bound_and_critical.__doc__ = ("Grade ``bound_and_critical(model, batch_siz
 # The measurement: a sweep past the predicted bend, and the measurement set against the prediction
 
 
+def _as_batches(batches) -> list[int]:
+    """A list, tuple, range or numpy array of positive ints (numpy's too), growing strictly."""
+    try:
+        out = list(batches.tolist() if hasattr(batches, "tolist") else batches)
+    except TypeError:
+        out = None
+    if not out or any(isinstance(b, bool) or not isinstance(b, numbers.Integral) or b < 1 for b in out):
+        raise fail(NAME_SWEEP, f"BATCHES must be a list of positive ints, got {batches!r}")
+    if out != sorted(set(out)):
+        raise fail(NAME_SWEEP, f"BATCHES must grow strictly, got {out}")
+    return [int(b) for b in out]
+
+
+def _largest_fitting(model, seq_len, budget_bytes) -> int:
+    per_row = roofline.cache_read_bytes(model, 1, seq_len)
+    return max(1, int(budget_bytes // per_row)) if per_row else 1 << 30
+
+
 def _grade_sweep(batches, model, seq_len: int, bandwidth: float, flops: float,
                  budget_bytes: float = 2 * 2**30) -> None:
-    """``batches`` must reach twice the critical batch that ``bandwidth`` and ``flops`` predict for
-    ``model`` at ``seq_len`` (two points below it, two above) unless there is none, or the cache of
-    twice that batch exceeds the lab's budget (then it cannot be seen here, and the lab says so)."""
-    if not isinstance(batches, (list, tuple)) or not batches or any(
-            isinstance(b, bool) or not isinstance(b, numbers.Integral) or b < 1 for b in batches):
-        raise fail(NAME_SWEEP, f"BATCHES must be a list of positive ints, got {batches!r}")
-    if list(batches) != sorted(set(batches)):
-        raise fail(NAME_SWEEP, f"BATCHES must grow strictly, got {list(batches)}")
+    """The sweep the lab asks for. Its cache must fit ``budget_bytes`` at every batch. With a critical
+    batch ``c`` whose twice fits: at least min(2, c - 1) batches below ``c``, two above, the largest
+    at least ``2c``. Else (no ``c``, or ``2c`` does not fit): at least four batches spanning a factor 8
+    or more (the step growing through the cache), and past ``c`` when ``c`` itself fits."""
+    batches = _as_batches(batches)
     critical = roofline.critical_batch(model, seq_len, bandwidth, flops)
-    if critical is None:
-        return passed(NAME_SWEEP, f"no batch is compute-bound at {seq_len} positions on this machine: there is no "
-                                  "bend to reach, and the sweep shows the step growing only through the cache")
-    need = roofline.cache_read_bytes(model, 2 * critical, seq_len)
-    if need > budget_bytes:
-        return passed(NAME_SWEEP, f"the cache at twice the critical batch ({2 * critical}) would take "
-                                  f"{need / 2**30:.1f} GiB, beyond the lab's budget: the bend cannot be reached "
-                                  "here; say so beside your plot")
-    below, above = [b for b in batches if b < critical], [b for b in batches if b > critical]
-    need_below = min(2, critical - 1)              # a critical batch of 1 or 2 leaves less room below
-    if len(below) < need_below or len(above) < 2 or max(batches) < 2 * critical:
-        raise fail(NAME_SWEEP, f"the critical batch predicted for this machine is {critical}: measure at least "
-                               f"{need_below} batch(es) below it and two above, the largest at least {2 * critical}, "
-                               f"so that the bend can be seen; BATCHES is {list(batches)}")
-    passed(NAME_SWEEP, f"the sweep {list(batches)} reaches past the predicted critical batch {critical}")
+    fits = _largest_fitting(model, seq_len, budget_bytes)
+    if batches[-1] > fits:
+        raise fail(NAME_SWEEP, f"at batch {batches[-1]} the cache of {seq_len} positions takes "
+                               f"{roofline.cache_read_bytes(model, batches[-1], seq_len) / 2**30:.2f} GiB, beyond the "
+                               f"lab's budget of {budget_bytes / 2**30:.1f} GiB: the largest batch that fits is {fits}")
+    if critical is not None and 2 * critical <= fits:
+        below, above = [b for b in batches if b < critical], [b for b in batches if b > critical]
+        need_below = min(2, critical - 1)              # a critical batch of 1 or 2 leaves less room below
+        if len(below) < need_below or len(above) < 2 or batches[-1] < 2 * critical:
+            raise fail(NAME_SWEEP, f"the critical batch predicted for this machine is {critical}: measure at least "
+                                   f"{need_below} batch(es) below it and two above, the largest at least "
+                                   f"{2 * critical}, so that the bend can be seen; BATCHES is {batches}")
+        return passed(NAME_SWEEP, f"the sweep {batches} reaches past the predicted critical batch {critical}")
+    why = (f"no batch is compute-bound at {seq_len} positions on this machine" if critical is None else
+           f"twice the critical batch ({2 * critical}) would not fit the budget (at most {fits} rows)")
+    reach = critical if critical is not None and critical <= fits else 1
+    if len(batches) < 4 or batches[-1] < 8 * batches[0] or batches[-1] < reach:
+        raise fail(NAME_SWEEP, f"{why}: there is no bend to reach here, so measure how the step grows: at least "
+                               "four batches spanning a factor of 8 or more"
+                               + (f", past the critical batch {critical}" if reach > 1 else "")
+                               + f", within the budget (at most {fits} rows); BATCHES is {batches}")
+    passed(NAME_SWEEP, f"{why}; the sweep {batches} shows how the step grows: say so beside your plot")
 
 
 check_sweep_plan = _public(_grade_sweep)
