@@ -14,6 +14,7 @@ from kvlab import roofline
 from kvlab.course.checks import (check_bound_and_critical, check_decode_step_bytes, check_overhead_fit,
                           check_step_time_floor, check_sweep_plan)
 from kvlab.course.checks._common import grading_model
+from kvlab.course.checks.lab07 import _BYTE_CASES
 from kvlab.roofline import decode_step_flops
 
 
@@ -64,9 +65,15 @@ def _stale():
     return impl
 
 
+def _memo_on(key):
+    memo = {}
+    return lambda model, B, S: memo.setdefault(key(model, B, S), right(model, B, S))
+
+
 def _stateful():
     calls = itertools.count()
-    return lambda model, B, S: right(model, B, S) + (next(calls) >= 10)    # drifts on the second pass
+    first = len(_BYTE_CASES)
+    return lambda model, B, S: right(model, B, S) + (next(calls) >= first)   # drifts on the second pass
 
 
 def _one_coincidence(model, B, S):
@@ -98,10 +105,14 @@ WRONG_BYTES = {
                                 ["head_dim", "explicitly"]),
     "returns a float": (lambda m, B, S: float(right(m, B, S)), ["Python int"]),
     "off by one byte everywhere": (lambda m, B, S: right(m, B, S) - 1,
-                                   ["no single known mistake", "Wrong on 10 of 10", "(-1)"]),
+                                   ["no single known mistake", "Wrong on 13 of 13", "(-1)"]),
     "one coincidence is not a diagnosis": (_one_coincidence, ["no single known mistake", "Llama-3.1-8B",
                                                               "Right on"]),
     "stale (memoised on the model)": (_stale(), ["kept from another call"]),
+    # issue 34, kind 2: memos keyed on part of the arguments, each caught by a pair differing in one
+    "memoised on (model, seq_len)": (_memo_on(lambda m, B, S: (id(m), S)), ["kept from another call", "batch_size only"]),
+    "memoised on (batch_size, seq_len)": (_memo_on(lambda m, B, S: (B, S)), ["kept from another call",
+                                                                             "the model only"]),
     "state between calls": (_stateful(), ["called twice with the same arguments"]),
     "the library handed in": (roofline.decode_step_bytes, ["library's own", "write it"]),
     "the library called": (lambda m, B, S: roofline.decode_step_bytes(m, B, S),
@@ -195,7 +206,20 @@ def floor(model, B, S, bw, fl):
     return max(right(model, B, S) / bw, decode_step_flops(model, B, S) / fl)
 
 
+def _floor_memo_without_bandwidth():
+    memo = {}
+    return lambda m, B, S, bw, fl: memo.setdefault((id(m), B, S, fl), floor(m, B, S, bw, fl))
+
+
+def _floor_memo_without_flops():
+    memo = {}
+    return lambda m, B, S, bw, fl: memo.setdefault((id(m), B, S, bw), floor(m, B, S, bw, fl))
+
+
 WRONG_FLOOR = {
+    # issue 34, kind 2: a memo that ignores one of the machine's rates, caught by a pair differing in it
+    "memoised without the bandwidth": (_floor_memo_without_bandwidth(), ["kept from another call", "bandwidth only"]),
+    "memoised without the flops": (_floor_memo_without_flops(), ["kept from another call", "flops only"]),
     "min": (lambda m, B, S, bw, fl: min(right(m, B, S) / bw, decode_step_flops(m, B, S) / fl), ["SMALLER"]),
     "sum": (lambda m, B, S, bw, fl: right(m, B, S) / bw + decode_step_flops(m, B, S) / fl, ["added"]),
     "milliseconds": (lambda m, B, S, bw, fl: 1e3 * floor(m, B, S, bw, fl), ["milliseconds"]),
@@ -324,7 +348,30 @@ def _no_none_test(model, B, S, bw, fl):
     return _bound(model, B, S, bw, fl), math.ceil(shared / bw / (f / fl - row / bw))
 
 
+def _crit_memo_without(arg):
+    memo = {}
+
+    def impl(m, B, S, bw, fl):
+        key = {"bandwidth": (id(m), S, fl), "flops": (id(m), S, bw), "seq_len": (id(m), bw, fl)}[arg]
+        return _bound(m, B, S, bw, fl), memo.setdefault(key, closed_form(m, B, S, bw, fl)[1])
+    return impl
+
+
+def _capped(limit):
+    """A search over batch sizes that gives up at ``limit`` (real critical batches reach thousands)."""
+    def impl(m, B, S, bw, fl):
+        crit = closed_form(m, B, S, bw, fl)[1]
+        return _bound(m, B, S, bw, fl), crit if crit is None or crit <= limit else None
+    return impl
+
+
 WRONG_CRIT = {
+    # issue 34, kinds 2 and 3: memos keyed on part of the arguments; a loop capped below real critical batches
+    "memoised without the bandwidth": (_crit_memo_without("bandwidth"), ["kept from another call", "bandwidth only"]),
+    "memoised without the flops": (_crit_memo_without("flops"), ["kept from another call", "flops only"]),
+    "memoised without the context": (_crit_memo_without("seq_len"), ["kept from another call", "seq_len only"]),
+    "a search capped at 1,000": (_capped(1000), ["the critical batch is 16712", "you said None"]),
+    "a search capped at 10,000": (_capped(10_000), ["the critical batch is 16712", "you said None"]),
     "critical batch at zero context": (_at_zero, ["ZERO context"]),
     "every byte shared by the batch": (_all_shared, ["every byte", "own cache"]),
     "one too many": (_shift(closed_form, 1), ["off by one, too large"]),

@@ -390,6 +390,33 @@ def test_hidden_nan_rejects():
                     "True")
 
 
+class CacheResetsLayerZeroOnly(StaticKVCache):        # reset() clears the first layer and the position
+    def reset(self):
+        self.keys[0].zero_()
+        self.values[0].zero_()
+        self.slot_pos.fill_(-1)
+        self.position.zero_()
+
+
+def attention_of_zeros(q, k, v, pos):
+    return torch.zeros_like(q)
+
+
+def attention_mean_of_values(q, k, v, pos):                     # finite, and wrong
+    return v.nan_to_num().mean(-2, keepdim=True).expand_as(q)
+
+
+def test_hidden_nan_can_fail():
+    """Issue 34, kind 5: the prediction was judged against the learner's own attention, so one that
+    returns zeros passed with any (False, False); the reset part used a one-layer cache."""
+    for wrong in (attention_of_zeros, attention_mean_of_values):       # two wrong attentions, one message
+        expect_rejected(lambda a: check_hidden_nan(StaticKVCache, a, False, False), wrong,
+                        "wrong on clean inputs", "check_static_attention first")
+    expect_rejected(lambda c: check_hidden_nan(c, static_attention_explicit, False, True), CacheResetsLayerZeroOnly,
+                    "layer 2", "zero the buffers in reset()")
+    check_hidden_nan(CacheResetReallocates, static_attention_explicit, False, True)    # unusual, correct here
+
+
 def static_generate_feeds_views(model, cache, step, input_ids, max_new_tokens):
     """Right tokens, but feeds the step views into its output tensor, whose width (so the views'
     strides) changes with the prompt: a second graph for the second prompt."""

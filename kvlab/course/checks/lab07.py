@@ -184,7 +184,9 @@ def _models():
 # (model index, batch_size, seq_len): several rows, contexts the learner has not seen, and the same
 # model at two sizes (a stale answer for one of them is named)
 _BYTE_CASES = [(0, 3, 21), (1, 2, 13), (2, 5, 9), (3, 4, 0), (4, 3, 11), (5, 6, 7), (6, 7, 700),
-               (7, 3, 4096), (0, 9, 2), (7, 1, 100)]
+               (7, 3, 4096), (0, 9, 2), (7, 1, 100),
+               # pairs that differ in exactly one argument (a memo keyed on the other two is named):
+               (0, 3, 22), (0, 4, 21), (2, 2, 13)]
 
 
 def _case(label, model, batch, seq):
@@ -260,10 +262,34 @@ def _as_int(value, label):
         raise fail(NAME_BYTES, f"{label}: return an int, got {type(value).__name__}") from None
 
 
-def _stale(cases, got, i):
-    """An answer that is right for another size of the same model: a result kept from another call."""
-    return next((j for j, c in enumerate(cases) if j != i and c["model"] is cases[i]["model"]
-                 and got[i] == c["want"] != cases[i]["want"]), None)
+_ARGS = ("model", "B", "S", "bw", "fl")
+
+
+def _one_apart(a, b) -> bool:
+    """Two cases whose arguments differ in exactly one (the model compared by identity)."""
+    return sum((a.get(k) is not b.get(k)) if k == "model" else a.get(k) != b.get(k) for k in _ARGS) == 1
+
+
+def _stale(cases, got, i, key="want", eq=lambda a, b: a == b):
+    """An answer that is right for a case whose arguments differ from this one's in exactly one: a result
+    kept from another call, keyed on part of the arguments. Returns that case's index, or None."""
+    return next((j for j, c in enumerate(cases) if j != i and _one_apart(c, cases[i]) and eq(got[i], c[key])
+                 and not eq(c[key], cases[i][key])), None)
+
+
+def _stale_message(cases, got, key="want", eq=lambda a, b: a == b) -> str | None:
+    for i, c in enumerate(cases):
+        j = _stale(cases, got, i, key, eq)
+        if j is not None:
+            differs = next(k for k in _ARGS if (c.get(k) is not cases[j].get(k) if k == "model"
+                                                  else c.get(k) != cases[j].get(k)))
+            return (f"<{c['label']}>: you returned {got[i]!r}, the answer for <{cases[j]['label']}>, whose arguments "
+                    f"differ from these in {_ARG_NAMES[differs]} only: a result kept from another call (a cache "
+                    "keyed on part of the arguments?). Compute from every argument, every time")
+    return None
+
+
+_ARG_NAMES = dict(model="the model", B="batch_size", S="seq_len", bw="bandwidth", fl="flops")
 
 
 def _where_bytes(cases, got) -> str:
@@ -283,12 +309,9 @@ def _grade_bytes(decode_step_bytes) -> None:
         return passed(NAME_BYTES, f"{len(cases)} cases on {len(_models())} models (GPT-2 and grouped-query, "
                                   "tied and untied heads, an explicit head_dim, fp32/fp16/bf16, real and "
                                   "meta-device shapes) give their exact bytes per decode step")
-    for i, c in enumerate(cases):
-        j = _stale(cases, got, i)
-        if j is not None:
-            raise fail(NAME_BYTES, f"{c['label']}, batch_size={c['B']}, seq_len={c['S']}: you returned "
-                                   f"{got[i]:,}, the answer for batch_size={cases[j]['B']}, seq_len={cases[j]['S']}"
-                                   ": a result kept from another call. Compute from the arguments every time")
+    stale = _stale_message(cases, got)
+    if stale:
+        raise fail(NAME_BYTES, stale)
     why = _explain(cases, got, _MISTAKES, lambda c: c["want"])
     if why is None and all(g < c["W"] - c["L"] for c, g in zip(cases, got) if c["meta"] and g != c["want"]) \
             and any(c["meta"] and g != c["want"] for c, g in zip(cases, got)):
@@ -317,6 +340,12 @@ def _floor_cases():
         ("kvlab-tiny, batch 64 on a machine with little compute", tiny, 64, 5, 500e9, 20e9),
         ("the head_dim=16 Llama, batch 40 on a machine with little compute", hd, 40, 3, 400e9, 10e9),
         ("Llama-3.1-8B (meta), batch 512 on an H100-like machine", meta, 512, 100, 3.35e12, 700e12),
+        # pairs that differ in exactly one argument (a memo keyed on the others is named)
+        # (rates changed by factors no named mistake makes: 1.35x, 0.65x)
+        ("kvlab-tiny, a CPU-like machine with more bandwidth", tiny, 2, 30, 27e9, 100e9),
+        ("kvlab-tiny, batch 64 on a machine with even less compute", tiny, 64, 5, 500e9, 13e9),
+        ("kvlab-tiny, a CPU-like machine, 31 positions", tiny, 2, 31, 20e9, 100e9),
+        ("kvlab-tiny, a CPU-like machine, batch 3", tiny, 3, 30, 20e9, 100e9),
     ]
     out = []
     for label, model, B, S, bw, fl in raw:
@@ -385,7 +414,11 @@ def _grade_floor(step_time_floor) -> None:
     if not bad:
         return passed(NAME_FLOOR, f"{len(cases)} cases, bound by memory and by compute, real and meta-device "
                                   "models, an explicit head_dim")
-    why = _explain(cases, got, _FLOOR_MISTAKES, lambda c: c["want"], _close) or _which_term(cases, got)
+    why = _explain(cases, got, _FLOOR_MISTAKES, lambda c: c["want"], _close)
+    stale = None if why else _stale_message(cases, got, eq=_close)
+    if stale:
+        raise fail(NAME_FLOOR, stale)
+    why = why or _which_term(cases, got)
     c, g = bad[0]
     where = (f"{c['label']} (batch_size={c['B']}, seq_len={c['S']}, bandwidth={c['bw']:.3g} B/s, "
              f"flops={c['fl']:.3g} FLOP/s): moving the bytes takes {c['m']:.4g} s, the FLOPs {c['f']:.4g} s, so "
@@ -420,6 +453,15 @@ def _crit_cases():
         ("Llama-3.1-8B (meta, bf16), 512 positions, an H100-like machine", llama, 64, 512, 3.35e12, 990e12),
         ("Llama-3.1-8B (meta, bf16), 32k positions, a fp32-rate machine", llama, 4, 32768, 3.35e12, 60e12),
         ("Llama-3.1-8B (meta, bf16), 1,000 positions, a fp32-rate machine", llama, 200, 1000, 3.35e12, 60e12),
+        # pairs that differ in exactly one argument: the machine's rates, then the context
+        ("kvlab-tiny, short context, more bandwidth", tiny, 1, 8, 31e9, 200e9),
+        ("kvlab-tiny, short context, 8.5 times the compute", tiny, 1, 8, 20e9, 1700e9),
+        ("kvlab-tiny, 9 positions", tiny, 1, 9, 20e9, 200e9),
+        # critical batches in the thousands, as real ones reach (a loop capped below them is named)
+        ("Llama-3.1-8B (meta, bf16), 16 positions, a machine with 5,000 TFLOP/s per TB/s", llama, 1, 16, 1e12,
+         5000e12),
+        ("gpt2-medium (meta, fp16), zero context, a machine with 5,000 TFLOP/s per TB/s", gpt2m, 1, 0, 1e12,
+         5000e12),
     ]
     out = []
     for label, model, B, S, bw, fl in raw:
@@ -502,6 +544,10 @@ def _grade_crit(bound_and_critical) -> None:
         if bound != c["bound"]:
             raise fail(NAME_CRIT, _bound_message(c, bound))
     crits = [crit for _, crit in pairs]
+    stale = None if _explain(cases, crits, _CRIT_MISTAKES, lambda c: c["crit"]) else \
+        _stale_message(cases, crits, key="crit")
+    if stale:
+        raise fail(NAME_CRIT, stale)
     if any(g != c["crit"] for c, g in zip(cases, crits)):
         raise fail(NAME_CRIT, _crit_message(cases, crits))
     passed(NAME_CRIT, f"{len(cases)} cases: every bound, critical batches from 1 up, contexts with none, an "

@@ -698,49 +698,81 @@ def check_static_generate(static_generate) -> None:
 # why reset() zeroes the buffers
 
 
+_NAN_WHY = {("keys", False): "your attention replaces the hidden slots' scores (masked_fill with -inf or a where): "
+                             "the NaN score is gone before the softmax, its weight is exactly 0",
+            ("keys", True): "the NaN score survives the mask (an additive mask: NaN + (-inf) is NaN; "
+                            "scaled_dot_product_attention adds its mask too), and one NaN score makes the whole "
+                            "softmax row NaN",
+            ("values", True): "the weight of slot 6 is exactly 0, but weights @ v still multiplies it in: "
+                              "0 * NaN = NaN, in every output of that row",
+            ("values", False): "your attention never multiplies the hidden slots' values (you zero or drop them)"}
+
+
+def _nan_truth(static_attention) -> dict:
+    """What the learner's attention does with a NaN in hidden slot 6 (pos=3), on two inputs (batch 1
+    and batch 2 with 3 heads: one coincidence decides nothing), after it is shown right on clean ones
+    (an attention that returns zeros, or anything finite, would make every prediction 'finite')."""
+    gen, truth = torch.Generator().manual_seed(8208), {}
+    for B, H, D in ((1, 2, 8), (2, 3, 16)):
+        q = torch.randn(B, H, 1, D, generator=gen)
+        k, v = torch.randn(B, H, 8, D, generator=gen), torch.randn(B, H, 8, D, generator=gen)
+        clean = learner_call(NAME_NAN, "static_attention on clean keys and values", static_attention, q, k, v,
+                             torch.tensor(3))
+        if not torch.allclose(clean.double(), reference_static_attention(q, k, v, 3), atol=1e-5):
+            raise fail(NAME_NAN, "your static_attention is wrong on clean inputs (no NaN anywhere), so what it "
+                                 "does with a NaN says nothing: pass check_static_attention first")
+        for what in ("keys", "values"):
+            kk, vv = k.clone(), v.clone()
+            (kk if what == "keys" else vv)[:, :, 6] = float("nan")
+            out = learner_call(NAME_NAN, f"static_attention with a NaN in slot 6's {what}", static_attention, q,
+                               kk, vv, torch.tensor(3))
+            truth.setdefault(what, set()).add(bool(torch.isnan(out).any()))
+    return {what: seen.pop() if len(seen) == 1 else None for what, seen in truth.items()}
+
+
+def _reset_clears(StaticKVCache, static_attention) -> None:
+    """A NaN written in the LAST of three layers by an earlier prompt, reset(), 4 new tokens in every
+    layer: every layer's output must be finite (a reset that zeroes one layer, or forgets only the
+    position, leaves it)."""
+    gen, L = torch.Generator().manual_seed(8209), 3
+    cache = learner_call(NAME_NAN, "StaticKVCache(3, 1, 2, 8, 8, float32, 'cpu')", StaticKVCache, L, 1, 2, 8, 8,
+                         torch.float32, "cpu")
+    nan = torch.full((1, 2, 1, 8), float("nan"))
+    learner_call(NAME_NAN, "update of a NaN at slot 6 of layer 2", cache.update, L - 1, nan, nan.clone(),
+                 torch.tensor(6))
+    learner_call(NAME_NAN, "reset()", cache.reset)
+    q = torch.randn(1, 2, 1, 8, generator=gen)
+    for layer in range(L):
+        k, v = torch.randn(1, 2, 4, 8, generator=gen), torch.randn(1, 2, 4, 8, generator=gen)
+        keys, values = learner_call(NAME_NAN, f"update of 4 tokens at pos=0, layer {layer}", cache.update, layer,
+                                    k, v, torch.tensor(0))
+        out = learner_call(NAME_NAN, "static_attention after reset()", static_attention, q, keys, values,
+                           torch.tensor(3))
+        if torch.isnan(out).any():
+            raise fail(NAME_NAN, f"a NaN written at slot 6 of layer {L - 1} by an earlier prompt, then reset(), then 4 "
+                                 f"new tokens: your attention's output for layer {layer} is NaN. reset() left the "
+                                 "NaN in the buffer, hidden but still multiplied by its weight 0: zero the buffers "
+                                 "in reset(), every layer's keys and values, not only the position")
+
+
 def check_hidden_nan(StaticKVCache, static_attention, nan_in_keys, nan_in_values) -> None:
     """Grade a prediction: a NaN left in a slot the mask hides (slot 6; the new token at pos=3), in the
     keys (``nan_in_keys``) or in the values (``nan_in_values``): is the output NaN? Judged against what
-    the learner's own attention does; then the learner's cache, NaN written, reset(), refilled, must give
-    a finite output (that is why reset() zeroes the buffers)."""
+    the learner's own attention does (once it is shown right on clean inputs); then the learner's
+    cache, NaN written in its last layer, reset(), refilled, must give a finite output in every layer."""
     for name, value in (("nan_in_keys", nan_in_keys), ("nan_in_values", nan_in_values)):
         if not isinstance(value, bool):
             raise fail(NAME_NAN, f"{name} must be True (the output has NaN) or False, got {value!r}")
-    gen = torch.Generator().manual_seed(8208)
-    q = torch.randn(1, 2, 1, 8, generator=gen)
-    k, v = torch.randn(1, 2, 8, 8, generator=gen), torch.randn(1, 2, 8, 8, generator=gen)
-    truth = {}
-    for what in ("keys", "values"):
-        kk, vv = k.clone(), v.clone()
-        (kk if what == "keys" else vv)[:, :, 6] = float("nan")
-        out = learner_call(NAME_NAN, f"static_attention with a NaN in slot 6's {what}", static_attention, q, kk,
-                           vv, torch.tensor(3))
-        truth[what] = bool(torch.isnan(out).any())
-    why = {("keys", False): "your attention replaces the hidden slots' scores (masked_fill with -inf or a "
-                            "where): the NaN score is gone before the softmax, its weight is exactly 0",
-           ("keys", True): "the NaN score survives the mask (an additive mask: NaN + (-inf) is NaN; "
-                           "scaled_dot_product_attention adds its mask too), and one NaN score makes the whole "
-                           "softmax row NaN",
-           ("values", True): "the weight of slot 6 is exactly 0, but weights @ v still multiplies it in: "
-                             "0 * NaN = NaN, in every output of that row",
-           ("values", False): "your attention never multiplies the hidden slots' values (you zero or drop them)"}
+    truth = _nan_truth(static_attention)
     for what, said in (("keys", nan_in_keys), ("values", nan_in_values)):
+        if truth[what] is None:
+            raise fail(NAME_NAN, f"with a NaN in slot 6's {what}, your attention's output is NaN on one input and "
+                                 "finite on another: it depends on something besides the mask")
         if said != truth[what]:
             raise fail(NAME_NAN, f"NaN in slot 6's {what}, new token at pos=3 (slot 6 hidden): you predicted "
                                  f"{'NaN' if said else 'a finite output'}, your attention gives "
-                                 f"{'NaN' if truth[what] else 'a finite output'}: {why[what, truth[what]]}")
-    cache = StaticKVCache(1, 1, 2, 8, 8, torch.float32, "cpu")
-    nan = torch.full((1, 2, 1, 8), float("nan"))
-    learner_call(NAME_NAN, "update of a NaN at slot 6", cache.update, 0, nan, nan.clone(), torch.tensor(6))
-    learner_call(NAME_NAN, "reset()", cache.reset)
-    keys, values = learner_call(NAME_NAN, "update of 4 tokens at pos=0", cache.update, 0, k[:, :, :4].clone(),
-                                v[:, :, :4].clone(), torch.tensor(0))
-    out = learner_call(NAME_NAN, "static_attention after reset()", static_attention, q, keys, values,
-                       torch.tensor(3))
-    if torch.isnan(out).any():
-        raise fail(NAME_NAN, "a NaN written at slot 6 by an earlier prompt, then reset(), then 4 new tokens: your "
-                             "attention's output is NaN. reset() left the NaN in the buffer, hidden but still "
-                             "multiplied by its weight 0: zero the buffers in reset() (buffer.zero_())")
+                                 f"{'NaN' if truth[what] else 'a finite output'}: {_NAN_WHY[what, truth[what]]}")
+    _reset_clears(StaticKVCache, static_attention)
     passed(NAME_NAN, f"a NaN in a hidden slot: keys -> {'NaN' if truth['keys'] else 'finite'}, values -> "
                      f"{'NaN' if truth['values'] else 'finite'}, as you predicted; after reset() your cache's zeros "
-                     "keep the output finite")
+                     "keep the output finite in every layer")
