@@ -282,6 +282,29 @@ def test_no_recompile_accepts_correct(capsys):
     assert out.count("PASSED check_no_recompile") == 2 and "1 graph compiled" in out
 
 
+def attention_scale_of_tiny(q, k, v, pos):        # kvlab-tiny's head size written in: 1 / sqrt(64)
+    T, S = q.shape[-2], k.shape[-2]
+    hidden = torch.arange(S)[None] > pos + torch.arange(T)[:, None]
+    return torch.softmax((q @ k.transpose(-2, -1) / 8.0).masked_fill(hidden, float("-inf")), -1) @ v
+
+
+class CacheFloat32Always(StaticKVCache):             # ignores its dtype argument
+    def __init__(self, n_layer, batch_size, n_head, head_dim, max_len, dtype, device):
+        super().__init__(n_layer, batch_size, n_head, head_dim, max_len, torch.float32, device)
+
+
+def test_no_recompile_checks_another_model():
+    """Issue 34, kind 6: a hard-coded attention scale and a cache fixed to float32 pass every step on
+    kvlab-tiny; a float64 GPT-2 with heads of 24 shows both. A correct pair passes there too."""
+    from kvlab.course.checks import lab08
+    assert lab08.reference_static_attention is not None
+    expect_rejected(lambda a: check_no_recompile(StaticKVCache, a, steps=4), attention_scale_of_tiny,
+                    "3 heads of 24", "fixed to kvlab-tiny")
+    expect_rejected(lambda c: check_no_recompile(c, static_attention_explicit, steps=4), CacheFloat32Always,
+                    "float64", "dtype it is given")
+    lab08._on_other_model(CacheAdvancedIndex, static_attention_explicit)      # unusual, correct
+
+
 def attention_for_sliced(q, k, v, pos):            # works with a sliced cache (keys 0 .. pos+T-1)
     return static_attention(q, k, v, pos)
 

@@ -508,6 +508,45 @@ def _one_graph_or_fail(where, counter, breaks, StaticKVCache, static_attention, 
     raise fail(NAME_COMPILE, f"{problem} {_probe(StaticKVCache, static_attention, model) or _NO_REASON}")
 
 
+@functools.lru_cache(maxsize=1)
+def _other_model():
+    """A random GPT-2 unlike kvlab-tiny: float64, 3 heads of 24 (a hard-coded head size, scale or dtype
+    shows), with transformers' model beside the hand-built one."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    hf = GPT2LMHeadModel(GPT2Config(vocab_size=120, n_positions=64, n_embd=72, n_layer=2, n_head=3,
+                                    bos_token_id=0, eos_token_id=0)).to(torch.float64).eval()
+    return hf, GPT2.from_hf(hf)
+
+
+def _on_other_model(StaticKVCache, static_attention) -> None:
+    """Both pieces in the other model, eagerly: a prompt of 5, then one decode step; the logits must
+    equal transformers' (float64, to 1e-9): end to end, on what kvlab-tiny has in common with it."""
+    hf, model = _other_model()
+    ids = torch.tensor([[5, 17, 99, 3, 42], [7, 7, 61, 118, 0]])
+    dec = learner_call(NAME_COMPILE, "StaticDecoder with your pieces on a float64 GPT-2 (3 heads of 24)",
+                       StaticDecoder, model, batch_size=2, max_len=16, cache_cls=StaticKVCache,
+                       attention_fn=static_attention)
+    wrong = misplaced(held_tensors(getattr(dec.cache, "inner", dec.cache)), "cpu", torch.float64)
+    if wrong:
+        raise fail(NAME_COMPILE, f"on a float64 GPT-2 your StaticKVCache holds {', '.join(wrong[:2])}: it was asked "
+                                 "for float64 (its dtype argument); build the buffers in the dtype it is given")
+    with torch.no_grad():
+        learner_call(NAME_COMPILE, "reset()", dec.cache.reset)
+        got = learner_call(NAME_COMPILE, "the prefill", dec.model, ids, dec.cache)
+        nxt = got[:, -1].argmax(-1, keepdim=True)
+        step = learner_call(NAME_COMPILE, "a decode step", dec.model, nxt, dec.cache)
+        want = hf(torch.cat([ids, nxt], 1)).logits
+    for what, g, w in (("the prompt's logits", got, want[:, :5]), ("a decode step's logits", step[:, -1], want[:, -1])):
+        if g.dtype != torch.float64 or not torch.allclose(g, w, rtol=0, atol=1e-9):
+            err = (g.double() - w).abs().max().item()
+            raise fail(NAME_COMPILE, f"on a float64 GPT-2 with 3 heads of 24 (kvlab-tiny has another head size), "
+                                     f"{what} with your pieces are {g.dtype}, off transformers' by up to {err:.2g}: "
+                                     "something in your cache or attention is fixed to kvlab-tiny (a head size, a "
+                                     "scale, a dtype) instead of read from the tensors")
+
+
 def check_no_recompile(StaticKVCache, static_attention, steps: int = 50) -> None:
     """Your pieces in :class:`kvlab.static.StaticDecoder` (the hand-built GPT-2, batch 2), the decode
     step compiled with ``torch.compile(backend="aot_eager", dynamic=False)``: ``steps`` decode steps,
@@ -543,8 +582,10 @@ def check_no_recompile(StaticKVCache, static_attention, steps: int = 50) -> None
             row = int((out != want).any(1).nonzero()[0])
             raise fail(NAME_COMPILE, f"{where}: row {row} differs from transformers' greedy tokens. "
                                      "Run check_static_cache and check_static_attention first")
+    _on_other_model(StaticKVCache, static_attention)
     passed(NAME_COMPILE, f"GPT2 with your pieces, compiled: {steps} decode steps then a second prompt, "
-                         "transformers' greedy tokens, 1 graph compiled, 0 graph breaks (torch's counters)")
+                         "transformers' greedy tokens, 1 graph compiled, 0 graph breaks (torch's counters); "
+                         "eagerly on a float64 GPT-2 with another head size, transformers' logits")
 
 
 # ---------------------------------------------------------------------------------------------------
