@@ -26,7 +26,8 @@ the book's generators, one name each), ``footprint`` (the bytes tensors really h
 ratios), ``report`` (a device's measurements as JSON: ``report_sections``, ``machine``) and ``cli``
 (their argument checks).
 
-Presentation: ``tables`` (tables that fit the page), ``plots`` (figures), ``draw`` and ``draw_engine``
+Presentation: ``notebook`` (a notebook's setup in one call: threads, seed, device, model, banner),
+``tables`` (tables that fit the page), ``plots`` (figures), ``draw`` and ``draw_engine``
 (diagrams drawn from the objects the code builds), ``progress`` (progress bars only where someone
 watches), ``verdicts`` (sentences computed from measurements), ``provenance`` (what produced a
 number: banner and stamps), ``calculator`` (chapter 4's calculator), ``rooflineview`` and

@@ -223,7 +223,6 @@ class PreallocatedCache(Cache):
         self._check_rewind(length)
         self._len = length
 
-    truncate = rewind   # the name chapter 7 and the report used first
 
     @property
     def nbytes(self):

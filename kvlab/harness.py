@@ -7,8 +7,9 @@ plot and tabulate nothing. What turns their results into evidence lives here, on
   generator is not a result, so every timed generator must first give the reference's tokens;
 * :func:`rewinding_step`: one decode step that rewinds its cache afterwards, so every call times the
   same step (``cache.rewind``, part of every cache's interface);
-* :func:`rewind_and_regenerate`: generate, rewind, regenerate (what speculative decoding relies on);
-* :func:`print_table`: rows of dicts as a table that fits the page (:mod:`kvlab.tables`).
+* :func:`rewind_and_regenerate`: generate, rewind, regenerate (what speculative decoding relies on).
+
+Tables go through :func:`kvlab.tables.show`, the one table printer.
 """
 
 from __future__ import annotations
@@ -16,9 +17,6 @@ from __future__ import annotations
 import torch
 from .gpt2 import GPT2, generate
 from .reference import first_difference
-from .tables import show
-
-
 
 
 def token_check(runs: dict, reference: str | None = None) -> dict:
@@ -73,10 +71,3 @@ def rewind_and_regenerate(model, cache, input_ids: torch.Tensor, max_new_tokens:
         last = model(last, cache, last_only=True)[:, -1].argmax(-1, keepdim=True)
         again.append(last)
     return out[:, length + 1:], torch.cat(again, dim=1)
-
-
-def print_table(rows: list[dict], columns: dict) -> None:
-    """Rows of dicts as a table that fits the page (:func:`kvlab.tables.show`: HTML in a notebook,
-    aligned text elsewhere); ``columns`` maps a key to ``(header, format)``."""
-
-    show([[fmt.format(r[k]) for k, (_, fmt) in columns.items()] for r in rows], [h for h, _ in columns.values()])

@@ -272,10 +272,6 @@ def default_model() -> tuple[str, str]:
     return ("gpt2", reason) if ok else ("kvlab-tiny", reason + "; using the bundled model")
 
 
-def default_model_name() -> str:
-    return default_model()[0]
-
-
 def pick_device() -> torch.device:
     """``cuda`` when a GPU is present, else the CPU; ``KVLAB_DEVICE`` overrides (checked: a device this
     machine does not have is an error here, not a failure later inside torch)."""

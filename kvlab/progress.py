@@ -13,20 +13,18 @@ import os
 
 from tqdm.auto import tqdm
 
+from .tables import in_notebook
+
 
 def watched() -> bool:
     """Whether a person can see this run's progress bars (see the module's docstring)."""
     env = os.environ.get("KVLAB_PROGRESS", "").strip()
     if env in ("0", "1"):
         return env == "1"
-    try:
-        from IPython import get_ipython
-    except ImportError:
-        return True
-    kernel = getattr(get_ipython(), "kernel", None)
-    if kernel is None:
+    if not in_notebook():
         return True                                  # a terminal or plain Python: tqdm decides
-    return bool(getattr(kernel, "_allow_stdin", True))  # False while nbclient executes a cell
+    from IPython import get_ipython
+    return bool(getattr(get_ipython().kernel, "_allow_stdin", True))  # False while nbclient executes a cell
 
 
 def bar(iterable=None, **kwargs):

@@ -9,7 +9,7 @@ from pathlib import Path
 import os
 import platform
 import torch
-from .tables import _in_notebook
+from .tables import in_notebook
 
 
 def device_name(device) -> str:
@@ -57,7 +57,7 @@ def banner(model, device=None) -> str:
         f"python {platform.python_version()}",
     ]
     text = "\n".join(lines)
-    if not _in_notebook():
+    if not in_notebook():
         print(text)
         return text
     from IPython.display import HTML, display

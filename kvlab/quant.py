@@ -162,24 +162,6 @@ def _check_codes(q, what: str) -> None:
         raise ValueError(f"{what} works along the last axis: give it a tensor of at least one axis, not a 0-d one")
 
 
-def pack_4bit(q: torch.Tensor) -> torch.Tensor:
-    """Two 4-bit codes per byte: ``q[..., 2i]`` in the low nibble, ``q[..., 2i + 1]`` in the high one."""
-    return pack(q, 4)
-
-
-def unpack_4bit(p: torch.Tensor) -> torch.Tensor:
-    return unpack(p, 4)
-
-
-def pack_2bit(q: torch.Tensor) -> torch.Tensor:
-    """Four 2-bit codes per byte."""
-    return pack(q, 2)
-
-
-def unpack_2bit(p: torch.Tensor) -> torch.Tensor:
-    return unpack(p, 2)
-
-
 # ----------------------------------------------------------------------------- the quantized cache
 
 

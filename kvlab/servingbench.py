@@ -1,6 +1,6 @@
 """Measuring the serving engine (chapter 9): workloads, Poisson arrivals, serving metrics, the floor,
 sweeps, computed sentences and the plot. The engine (:mod:`kvlab.serving`) prints and measures
-nothing; this does (tables go through :func:`kvlab.harness.print_table`).
+nothing; this does (tables go through :func:`kvlab.tables.show`).
 
 Metrics, from the engine's trace (times on its :class:`~kvlab.serving.clock.Clock`, idle gaps skipped):
 
@@ -19,7 +19,7 @@ import random
 
 import torch
 
-from . import progress
+from .progress import bar
 from .serving.reference import References
 from .paged import BlockAllocator, blocks_for
 from .paged_cache import PagedPool
@@ -260,7 +260,7 @@ def interleaved_runs(model, workload, policies: dict, repeats: int = 1, arrivals
     returns ``name -> [Engine]``."""
 
     runs = {name: [] for name in policies}
-    for _ in progress.bar(range(repeats), desc="rounds", leave=False, disable=not progress):
+    for _ in bar(range(repeats), desc="rounds", leave=False, disable=not progress):
         for name, kw in policies.items():
             runs[name].append(serve(model, workload, arrivals=arrivals, **(common | kw)))
     return runs
@@ -277,7 +277,7 @@ def poisson_sweep(model, workload, rates, policies: dict, repeats: int = 1, seed
     with the median summary and each round's summary (``runs``). Checks the invariant on every run."""
 
     rows = {(r, p): dict(rate=r, policy=p, runs=[]) for r in rates for p in policies}
-    for rep in progress.bar(range(repeats), desc="sweep rounds", leave=False):
+    for rep in bar(range(repeats), desc="sweep rounds", leave=False):
         for r in rates:
             arrivals = poisson_arrivals(len(workload), r, seed)
             for p, kw in policies.items():

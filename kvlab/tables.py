@@ -75,13 +75,15 @@ class Table:
     __repr__ = __str__
 
 
-def _in_notebook() -> bool:
+def in_notebook() -> bool:
+    """Whether this code runs in a Jupyter kernel (a notebook, or a book page being executed), where
+    rich output (HTML) is shown; False in a terminal, a script or a test. The one such check of kvlab
+    (:mod:`kvlab.progress` asks it before deciding whether anyone watches)."""
     try:
         from IPython import get_ipython
     except ImportError:
         return False
-    shell = get_ipython()
-    return shell is not None and hasattr(shell, "kernel")
+    return getattr(get_ipython(), "kernel", None) is not None
 
 
 def show(rows, columns=None, caption: str = "", formats: dict | None = None, display: bool = True,
@@ -89,7 +91,8 @@ def show(rows, columns=None, caption: str = "", formats: dict | None = None, dis
     """Show ``rows`` as a table and return it.
 
     ``rows``: dicts (the union of their keys, in order of appearance, is the header unless
-    ``columns`` names the columns to show) or sequences (then ``columns`` names them).
+    ``columns`` names the columns to show) or sequences (then ``columns`` names them). ``columns``
+    may map each column to the header to print (``{"ms": "median ms"}``): rows keep short keys.
     ``formats`` maps a column to a format spec (``".2f"``) or a function; floats default to 4
     significant digits. Numbers are right-aligned. In a notebook the table is displayed as HTML
     (``collapsed``: folded under its caption, for a long table whose gist a line above states), else
@@ -97,6 +100,7 @@ def show(rows, columns=None, caption: str = "", formats: dict | None = None, dis
     ``display=False`` only returns it.
     """
     rows, formats = list(rows), formats or {}
+    headers = [str(h) for h in columns.values()] if isinstance(columns, dict) else None
     if rows and isinstance(rows[0], dict):
         columns = list(columns or dict.fromkeys(k for r in rows for k in r))
         rows = [[r.get(c) for c in columns] for r in rows]
@@ -107,11 +111,11 @@ def show(rows, columns=None, caption: str = "", formats: dict | None = None, dis
         raise ValueError(f"every row needs {len(columns)} cells (one per column: {columns})")
     numeric = [all(_numeric(r[i]) for r in rows if r[i] not in (None, ""))
                and any(r[i] not in (None, "") for r in rows) for i in range(len(columns))]
-    table = Table(columns, [[_cell(v, formats.get(c)) for v, c in zip(r, columns)] for r in rows], caption,
+    table = Table(headers or columns, [[_cell(v, formats.get(c)) for v, c in zip(r, columns)] for r in rows], caption,
                   ["right" if n else "left" for n in numeric], collapsed)
     if not display:
         return table
-    if _in_notebook():
+    if in_notebook():
         from IPython.display import display as ipy_display
         ipy_display(table)
     else:

@@ -15,15 +15,7 @@ import torch
 
 from kvlab import (bench, calculator, catalogue, flops, gpt2, loading, paged, paged_cache, paths, probes, provenance, quality, quant, reference, report, roofline, validate)
 
-
-def raises(exc, call, *needles):
-    """``call()`` raises ``exc`` whose message contains every needle (case-insensitive)."""
-    with pytest.raises(exc) as err:
-        call()
-    msg = str(err.value).lower()
-    for n in needles:
-        assert n.lower() in msg, f"message does not mention {n!r}: {err.value}"
-    return str(err.value)
+from utils import raises
 
 
 # ---- devices --------------------------------------------------------------------------------------
@@ -216,11 +208,6 @@ def test_report_checks_out_and_figure_can_be_written_before_measuring(monkeypatc
 
 # ---- token ids and counts: nothing coerced -------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def ours(tiny):
-    return gpt2.GPT2.from_hf(tiny[0])
-
-
 def test_true_is_not_a_token_count(tiny, ours):
     ids = torch.tensor([[5, 17, 3]])
     for call in (lambda: gpt2.generate(ours, ids, True), lambda: validate.check_inputs(tiny[0], ids, True),
@@ -370,7 +357,7 @@ def test_quantize_refuses_integers_and_empty_tensors():
 
 def test_pack_refuses_codes_that_do_not_fit():
     raises(ValueError, lambda: quant.pack(torch.tensor([200, 3], dtype=torch.uint8), 4), "at most 15", "200")
-    raises(ValueError, lambda: quant.pack_2bit(torch.tensor([4, 0, 0, 0], dtype=torch.uint8)), "at most 3")
+    raises(ValueError, lambda: quant.pack(torch.tensor([4, 0, 0, 0], dtype=torch.uint8), 2), "at most 3")
     raises(ValueError, lambda: quant.pack(torch.zeros(200, 3, dtype=torch.uint8), 4), "multiple of 2")
     raises(ValueError, lambda: quant.pack(torch.tensor(3, dtype=torch.uint8), 4), "0-d")
     raises(ValueError, lambda: quant.unpack(torch.zeros(4, dtype=torch.long), 4), "uint8")
@@ -448,10 +435,9 @@ def test_paged_pool_sizes_checked_before_allocating():
     raises(ValueError, lambda: paged_cache.PagedPool(1, 1, 2, num_blocks=0, block_size=2), "num_blocks", ">= 1")
 
 
-def test_static_decoder_max_len_zero_is_refused(tiny):
+def test_static_decoder_max_len_zero_is_refused(ours):
     from kvlab import static
 
-    ours = gpt2.GPT2.from_hf(tiny[0])
     raises(ValueError, lambda: static.StaticDecoder(ours, max_len=0), "max_len must be an int >= 1")
     assert static.StaticDecoder(ours, max_len=None).max_len == ours.config.n_positions
 

@@ -14,7 +14,7 @@ from kvlab.course.checks import check_cached_generate
 from kvlab.reference import cached_generate as reference
 from kvlab.reference import naive_generate
 
-from conftest import expect_rejected, own_copy
+from utils import expect_rejected, own_copy
 
 reference, naive_generate = own_copy(reference), own_copy(naive_generate)   # not the library's own
 

@@ -7,7 +7,7 @@ import torch
 
 from kvlab.course.checks import check_kv_cache_bytes, check_max_batch_size
 
-from conftest import expect_rejected, own_copy
+from utils import expect_rejected, own_copy
 
 
 def _shape(config):

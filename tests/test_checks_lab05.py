@@ -6,7 +6,7 @@ import torch
 from kvlab.course.checks import check_quantize
 from kvlab.quant import dequantize, quantize
 
-from conftest import expect_rejected, own_copy
+from utils import expect_rejected, own_copy
 
 quantize, dequantize = own_copy(quantize), own_copy(dequantize)   # not the library's own
 

@@ -12,7 +12,7 @@ from kvlab.batching import positions_from_mask
 from kvlab.course.checks import check_batched_generate, check_make_batch
 from kvlab.reference import cached_generate
 
-from conftest import expect_rejected, own_copy
+from utils import expect_rejected, own_copy
 
 # the graders refuse the library's own code: the tests hand in copies, as a learner's would be
 reference_generate, reference_make_batch = own_copy(reference_generate), own_copy(reference_make_batch)

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import expect_rejected, own_copy
+from utils import expect_rejected, own_copy
 from kvlab import memory as _ch4_memory
 from kvlab import roofline
 from kvlab.course.checks import (check_bound_and_critical, check_decode_step_bytes, check_overhead_fit,

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from kvlab.course.checks import check_no_recompile, check_static_attention, check_static_cache
 from kvlab.static import StaticKVCache, static_attention, static_attention_explicit
 
-from conftest import expect_rejected, own_copy
+from utils import expect_rejected, own_copy
 
 # the graders refuse the library's own code: the tests hand in copies, as a learner's would be
 StaticKVCache = own_copy(StaticKVCache)

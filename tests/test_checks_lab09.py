@@ -9,7 +9,7 @@ from kvlab.paged import BlockAllocator as LibraryAllocator
 from kvlab.paged import OutOfBlocks
 from kvlab.paged import paged_gather as library_gather
 
-from conftest import expect_rejected, own_copy
+from utils import expect_rejected, own_copy
 
 # A learner's own code, as the rule of the labs asks: the library's source run again outside kvlab.
 # The wrong variants below each change one method of it.

@@ -8,7 +8,7 @@ from kvlab.course.checks import check_prefix_cache, check_scheduler
 from kvlab.paged import OutOfBlocks
 from kvlab.serving import Batch, BlockManager, Scheduler, Status
 
-from conftest import expect_rejected, own_copy
+from utils import expect_rejected, own_copy
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -16,8 +16,8 @@ import torch
 from kvlab.batching import batched_generate, generate_padded, make_batch, one_by_one
 from kvlab.cache import ConcatCache, PreallocatedCache, SlidingWindowKVCache
 from kvlab.reference import cached_generate, hf_greedy, naive_generate
-from kvlab.gpt2 import GPT2, generate, generate_uncached
-from kvlab.harness import rewind_and_regenerate
+from kvlab.gpt2 import generate, generate_uncached
+from kvlab.harness import rewind_and_regenerate, rewinding_step
 from kvlab.paged_cache import PagedCache, PagedPool, ragged_forward
 from kvlab.quant_cache import TOLERANCE, AbsmaxFakeInt8Cache, QuantizedKVCache
 from kvlab.quantbench import agreement, score_through_cache
@@ -33,9 +33,8 @@ TEXTS = ["And God said, Let there be light: and there was light.",
 
 
 @pytest.fixture(scope="module")
-def setup(tiny):
-    hf, tok = tiny
-    return hf, tok, GPT2.from_hf(hf)
+def setup(tiny, ours):
+    return (*tiny, ours)
 
 
 @pytest.fixture(scope="module")
@@ -195,6 +194,26 @@ def test_rewind_every_cache_kind(setup, prompts):
         first, second = rewind_and_regenerate(ours, cache, ids, N, back=4)
         assert torch.equal(first, second), name
         assert cache.seq_len == ids.shape[1] + N - 1, name
+
+
+def test_rewinding_step_times_the_same_step_on_both_kinds_of_cache(setup, prompts):
+    """The decode-then-rewind timer: each call is the step after the cached prefix (the last logits of
+    a full forward) and leaves the cache as it found it, on a kvlab cache and on transformers'."""
+    from transformers import DynamicCache
+
+    hf, _, ours = setup
+    ids, p = prompts[0][1], 8
+    with torch.no_grad():
+        want = hf(ids[:, :p + 1]).logits[:, -1]
+        dynamic = DynamicCache(config=hf.config)
+        hf(ids[:, :p], cache=dynamic, use_cache=True)
+        mine = ours.new_cache(1, p + 1)
+        ours(ids[:, :p], mine)
+    for model, cache, length in ((hf, dynamic, dynamic.get_seq_length), (ours, mine, lambda: mine.seq_len)):
+        step = rewinding_step(model, cache, ids[:, p:p + 1], p)
+        first, again = step(), step()
+        assert length() == p and torch.equal(first, again)
+        assert torch.allclose(first, want, atol=1e-4)
 
 
 def test_rewind_refuses_what_is_gone(setup, prompts):

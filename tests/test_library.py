@@ -46,7 +46,7 @@ def test_default_chooser(monkeypatch, capsys):
     assert name == "kvlab-tiny" and "no gpt2 here" in why
     assert capsys.readouterr().out == ""            # the library chooses; the banner says why
     monkeypatch.setattr(loading, "gpt2_loadable", lambda: (True, "cached"))
-    assert loading.default_model_name() == "gpt2"
+    assert loading.default_model()[0] == "gpt2"
 
 
 def test_shape_only_models_are_marked():

@@ -218,7 +218,7 @@ def test_calculator_widget_updates():
     box.children[1].children[1].value = 3    # batch
     assert box.result["cache_bytes"] == memory.kv_cache_bytes(models["Llama-3.1-8B"], 8192, 3, torch.float16)
     box.children[1].children[1].value = -1   # nonsense input: said so in the widget, no exception, not clamped
-    assert "error" in box.text.value and "batch_size must be &gt;= 0" in box.text.value
+    assert "error" in box.text.value and "batch_size must be an int &gt;= 0" in box.text.value
 
 
 def test_human_bytes():

@@ -5,8 +5,7 @@ import random
 import pytest
 import torch
 
-from kvlab.cache import PreallocatedCache
-from kvlab.gpt2 import GPT2, generate
+from kvlab.gpt2 import generate
 from kvlab.paged import BlockAllocator, OutOfBlocks, batched_gather, paged_gather
 from kvlab.paged_cache import PagedCache, PagedPool
 
@@ -97,12 +96,11 @@ def test_copy_on_write_copies_the_shared_block():
 
 
 @pytest.mark.parametrize("block_size", [1, 3, 16])
-def test_chapter3_generate_on_paged_memory(tiny, block_size):
-    hf, tok = tiny
-    model = GPT2.from_hf(hf)
+def test_chapter3_generate_on_paged_memory(tiny, ours, block_size):
+    tok, model = tiny[1], ours
     ids = torch.stack([tok("And God said, Let there be light", return_tensors="pt").input_ids[0, :6],
                        tok("The LORD is my shepherd; I shall", return_tensors="pt").input_ids[0, :6]])
-    want = generate(model, ids, 15, cache=PreallocatedCache(4, 2, 4, 64, 21))
+    want = generate(model, ids, 15, cache=model.new_cache(2, 21))
     cache = PagedCache(4, 2, 4, 64, 21, block_size=block_size)
     assert torch.equal(generate(model, ids, 15, cache=cache), want)
     assert cache.nbytes <= cache.paged.nbytes

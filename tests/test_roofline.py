@@ -5,7 +5,7 @@ import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
-from kvlab import gpt2, probes, roofline
+from kvlab import probes, roofline
 from kvlab.memory import kv_cache_bytes
 
 
@@ -72,9 +72,8 @@ def test_gqa_bytes_and_flops_by_hand():
     assert roofline.lookup_share(tied) == 0
 
 
-def test_hand_built_gpt2_and_meta_model_agree_with_transformers(tiny):
+def test_hand_built_gpt2_and_meta_model_agree_with_transformers(tiny, ours):
     hf, _ = tiny
-    ours = gpt2.GPT2.from_hf(hf)
     meta = roofline.meta_model(hf.config)
     assert next(meta.parameters()).device.type == "meta"
     for fn in (roofline.decode_step_bytes, roofline.decode_step_flops):

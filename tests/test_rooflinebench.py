@@ -5,12 +5,7 @@ import torch
 
 from kvlab import generators as G
 from kvlab import rooflinebench as fb, rooflineview as fv
-from kvlab import gpt2, roofline
-
-
-@pytest.fixture(scope="module")
-def ours(tiny):
-    return gpt2.GPT2.from_hf(tiny[0])
+from kvlab import roofline
 
 
 def test_step_fn_repeats_the_same_step(tiny, ours):

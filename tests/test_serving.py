@@ -5,7 +5,6 @@ forward call; the run's floor prices the LM head once per row that gets logits."
 import pytest
 import torch
 
-from kvlab.gpt2 import GPT2
 from kvlab.paged import paged_gather
 from kvlab.serving.reference import References, reference_tokens
 from kvlab.servingbench import (poisson_arrivals, random_workload, reserved_vs_used, run_floor, serve, step_floor, summarize)
@@ -13,13 +12,8 @@ from kvlab.serving import Engine, Status
 
 
 @pytest.fixture(scope="module")
-def model(tiny):
-    return GPT2.from_hf(tiny[0])
-
-
-@pytest.fixture(scope="module")
-def refs(model):
-    return References(model)
+def refs(ours):
+    return References(ours)
 
 
 PREFIX = [11, 22, 33, 44, 55, 66, 77]   # 7 tokens: not a whole number of blocks of 4, so copy-on-write
@@ -40,10 +34,10 @@ class CountingModel(torch.nn.Module):
 @pytest.mark.parametrize("policy", [dict(), dict(admission="reserve", batching="static"),
                                     dict(admission="contiguous", max_len=40)], ids=["on-demand", "static", "contiguous"])
 @pytest.mark.parametrize("gather", [None, paged_gather], ids=["one-gather", "lab-gather"])
-def test_every_request_equals_its_prompt_alone(model, refs, policy, gather):
+def test_every_request_equals_its_prompt_alone(ours, refs, policy, gather):
     wl = random_workload(7, 4096, (2, 12), (1, 12), seed=3) + random_workload(4, 4096, (1, 5), (2, 9), seed=4,
                                                                               prefix=PREFIX)
-    counting = CountingModel(model)
+    counting = CountingModel(ours)
     eng = serve(counting, wl, prefix=PREFIX, num_blocks=14, block_size=4, max_num_batched_tokens=12,
                 max_num_seqs=4, gather=gather, **policy)
     assert refs.mismatches(eng) == []
@@ -56,10 +50,10 @@ def test_every_request_equals_its_prompt_alone(model, refs, policy, gather):
     assert eng.blocks.num_free == 14                                 # nothing leaked
 
 
-def test_poisson_arrivals_prefix_hits_and_eos(model, refs):
+def test_poisson_arrivals_prefix_hits_and_eos(ours, refs):
     wl = random_workload(6, 4096, (3, 9), (6, 10), seed=5, prefix=PREFIX * 2)
-    eos = reference_tokens(model, wl[0][0], 8)[3]
-    eng = serve(model, wl, arrivals=poisson_arrivals(len(wl), 50.0, seed=1), eos_token_id=eos, num_blocks=24,
+    eos = reference_tokens(ours, wl[0][0], 8)[3]
+    eng = serve(ours, wl, arrivals=poisson_arrivals(len(wl), 50.0, seed=1), eos_token_id=eos, num_blocks=24,
                 block_size=4, max_num_batched_tokens=16)
     assert refs.mismatches(eng) == []
     first = eng.seqs[0]
@@ -69,8 +63,8 @@ def test_poisson_arrivals_prefix_hits_and_eos(model, refs):
     assert s["finished"] == 6 and s["met"] == 1.0 and s["ttft_p50"] <= s["e2e_p50"]
 
 
-def test_bad_request_inside_a_batch_costs_no_one_else(model, refs):
-    eng = Engine(model, num_blocks=16, block_size=4)
+def test_bad_request_inside_a_batch_costs_no_one_else(ours, refs):
+    eng = Engine(ours, num_blocks=16, block_size=4)
     good = [eng.submit(p, m) for p, m in random_workload(3, 4096, (2, 6), (3, 6), seed=6)]
     with pytest.raises(ValueError, match="prompt token"):
         eng.submit([1, 4096], 3)
@@ -80,12 +74,12 @@ def test_bad_request_inside_a_batch_costs_no_one_else(model, refs):
     assert all(s.status is Status.FINISHED for s in good) and refs.mismatches(eng) == []
 
 
-def test_floor_prices_the_lm_head_per_logit_row(model):
-    one = step_floor(model, tokens=200, logit_rows=1, keys=200, pairs=200 * 201 // 2, bandwidth=1e12, flops=1e9)
-    every = step_floor(model, tokens=200, logit_rows=200, keys=200, pairs=200 * 201 // 2, bandwidth=1e12, flops=1e9)
-    head = 2 * 199 * model.wte.weight.numel() / 1e9
+def test_floor_prices_the_lm_head_per_logit_row(ours):
+    one = step_floor(ours, tokens=200, logit_rows=1, keys=200, pairs=200 * 201 // 2, bandwidth=1e12, flops=1e9)
+    every = step_floor(ours, tokens=200, logit_rows=200, keys=200, pairs=200 * 201 // 2, bandwidth=1e12, flops=1e9)
+    head = 2 * 199 * ours.wte.weight.numel() / 1e9
     assert every - one == pytest.approx(head, rel=1e-6)
-    eng = serve(model, random_workload(3, 4096, (2, 6), (2, 4), seed=7), num_blocks=16, block_size=4)
+    eng = serve(ours, random_workload(3, 4096, (2, 6), (2, 4), seed=7), num_blocks=16, block_size=4)
     assert run_floor(eng, bandwidth=1e10, flops=1e11) > 0
 
 
@@ -97,12 +91,12 @@ def test_reserved_vs_used():
     assert all(r["reserved"] - used < 5 * bs for r, bs in zip(rows[2:], [1, 4, 16]))
 
 
-def test_reference_equals_the_naive_generator(model):
+def test_reference_equals_the_naive_generator(ours):
     from kvlab.gpt2 import generate_uncached
 
     for prompt, m in random_workload(3, 4096, (1, 9), (1, 12), seed=8):
-        naive = generate_uncached(model, torch.tensor([prompt]), m)[0, len(prompt):].tolist()
-        assert reference_tokens(model, prompt, m) == naive
+        naive = generate_uncached(ours, torch.tensor([prompt]), m)[0, len(prompt):].tolist()
+        assert reference_tokens(ours, prompt, m) == naive
 
 
 def test_rate_must_be_positive():

@@ -4,14 +4,9 @@ import pytest
 import torch
 
 from kvlab.cache import Cache
-from kvlab.gpt2 import GPT2, attention, generate
+from kvlab.gpt2 import attention, generate
 from kvlab import reference
 from kvlab.static import StaticKVCache, StaticDecoder, static_attention, static_attention_explicit
-
-
-@pytest.fixture(scope="module")
-def ours(tiny):
-    return GPT2.from_hf(tiny[0])
 
 
 def test_static_cache_interface():

@@ -97,14 +97,14 @@ def test_trend_direction():
     assert "falls" in verdicts.trend([1, 4], [2.0, 1.0], "N", "s", CPU)
 
 
-def test_preallocated_cache_truncate():
+def test_preallocated_cache_rewind():
     c = PreallocatedCache(2, 1, 2, 4, 10)
     k = torch.randn(1, 2, 6, 4)
     for layer in range(2):
         c.update(layer, k, k)
-    c.truncate(3)
+    c.rewind(3)
     assert c.seq_len == 3
     keys, _ = c.update(0, k[:, :, :1], k[:, :, :1])
     assert keys.shape[2] == 4 and torch.equal(keys[:, :, :3], k[:, :, :3])
     with pytest.raises(ValueError, match="between 0 and"):
-        c.truncate(7)
+        c.rewind(7)
