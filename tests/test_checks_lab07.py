@@ -471,7 +471,35 @@ WRONG_FIT = {
     "not a pair": (lambda f, m: fit(f, m)[1], ["pair of numbers"]),
     "np.polyfit's order kept (k, overhead)": (lambda f, m: tuple(np.polyfit(f, m, 1)), ["you returned (k, overhead)"]),
     "in-place sort changes the input order": (lambda f, m: fit(sorted(f), m), ["least-squares line"]),
+    # issue 34, kind 4: right on noise-free lines, several per cent off at a real run's noise
+    "swapped and inverted": (lambda f, m: (lambda a, b: (-a / b, 1 / b))(*fit(m, f)),
+                             ["against the measurement and inverted", "off by"]),
+    "through the end points": (lambda f, m: _ends(f, m), ["smallest and the largest", "every point"]),
 }
+
+
+def _ends(f, m):
+    (f0, m0), (f1, m1) = min(zip(f, m)), max(zip(f, m))
+    return m0 - (m1 - m0) / (f1 - f0) * f0, (m1 - m0) / (f1 - f0)
+
+
+def theil_sen(floors, measured):
+    """A robust line (median of pairwise slopes): a fine estimator, but not the least squares asked for."""
+    pairs = [(b2 - b1) / (a2 - a1) for i, (a1, b1) in enumerate(zip(floors, measured))
+             for a2, b2 in list(zip(floors, measured))[i + 1:] if a2 != a1]
+    k = float(np.median(pairs))
+    return float(np.median([b - k * a for a, b in zip(floors, measured)])), k
+
+
+def test_fit_is_graded_on_a_real_runs_noise():
+    """Another estimator agrees on an exact line, not on noisy ones: rejected, with how far off."""
+    expect_rejected(check_overhead_fit, theil_sen, "least-squares line", "off by")
+
+
+def lstsq_normal_equations(floors, measured):         # unusual, correct: numpy's solver
+    A = np.stack([np.ones(len(floors)), np.array(floors)], 1)
+    a, k = np.linalg.lstsq(A, np.array(measured), rcond=None)[0]
+    return float(a), float(k)
 
 
 @pytest.mark.parametrize("name", WRONG_FIT)
@@ -480,7 +508,7 @@ def test_fit_mistakes_rejected_by_name(name):
     expect_rejected(check_overhead_fit, impl, *needles)
 
 
-@pytest.mark.parametrize("impl", [fit, polyfit])
+@pytest.mark.parametrize("impl", [fit, polyfit, lstsq_normal_equations])
 def test_fit_unusual_correct_pass(impl, capsys):
     check_overhead_fit(impl)
     assert "PASSED" in capsys.readouterr().out

@@ -617,14 +617,32 @@ check_sweep_plan = _public(_grade_sweep)
 
 
 def _fit_cases():
-    """(floors, measured, overhead, k): exact lines, a noisy one, and one whose floors are unsorted."""
+    """(floors, measured, overhead, k): an exact line, then two with the noise a real run has (a few per
+    cent of each step: timings on a shared machine), one with its floors unsorted. On noise-free data
+    every line-fitting method agrees; on these only least squares of measured on floor gives the answer."""
     g = torch.Generator().manual_seed(7)
+    noise = lambda: 1 + 0.04 * float(torch.randn(1, generator=g))      # noqa: E731
     f1 = [1e-4, 2e-4, 4e-4, 8e-4]
     f2 = [3e-3, 3.1e-3, 3.5e-3, 5e-3, 9e-3]
-    f3 = [2e-5, 9e-5, 4e-5, 1.6e-4]
-    noisy = [2e-3 + 1.7 * f + 1e-5 * float(torch.randn(1, generator=g)) for f in f2]
-    out = [(f1, [5e-3 + 1.5 * f for f in f1]), (f2, noisy), (f3, [2e-4 + 3.0 * f for f in f3])]
+    f3 = [2e-5, 9e-5, 4e-5, 1.6e-4, 3e-4, 6e-5]
+    out = [(f1, [5e-3 + 1.5 * f for f in f1]), (f2, [(2e-3 + 1.7 * f) * noise() for f in f2]),
+           (f3, [(2e-4 + 3.0 * f) * noise() for f in f3])]
     return [(f, m, *_lstsq(f, m)) for f, m in out]
+
+
+def _off(got, want) -> str:
+    return f"{(got - want) / abs(want):+.2%}" if want else f"{got - want:+.3g}"
+
+
+def _inverted(line):
+    a, b = line                                 # floor = a + b x measured  ->  measured = -a / b + floor / b
+    return -a / b, 1 / b
+
+
+def _two_points(floors, measured):
+    (f0, m0), (f1, m1) = min(zip(floors, measured)), max(zip(floors, measured))
+    k = (m1 - m0) / (f1 - f0)
+    return m0 - k * f0, k
 
 
 def _lstsq(floors, measured):
@@ -640,6 +658,12 @@ _FIT_MISTAKES = [
      "launches) is what the intercept measures; fit measured = overhead + k x floor"),
     ("swapped", lambda c: _lstsq(c[1], c[0]),
      "you fitted the floor against the measurement: fit measured (y) against the floor (x)"),
+    ("swapped and inverted", lambda c: _inverted(_lstsq(c[1], c[0])),
+     "you fitted the floor against the measurement and inverted the line: with noise in the measurement that "
+     "is another line (least squares minimises the errors of y, here the measured times): fit measured (y) "
+     "against the floor (x)"),
+    ("through the end points", lambda c: _two_points(c[0], c[1]),
+     "you drew the line through the smallest and the largest floor's points: least squares uses every point"),
     ("pair reversed", lambda c: _lstsq(c[0], c[1])[::-1],
      "you returned (k, overhead): the pair is (overhead_seconds, k), intercept first (np.polyfit returns the "
      "slope first)"),
@@ -665,7 +689,8 @@ def _grade_fit(overhead_fit) -> None:
                    lambda c: _lstsq(c[0], c[1]), close)
     c, g = next((c, g) for c, g in zip(cases, got) if not close(g, c["want"]))
     raise fail(NAME_FIT, f"floors {c['f']}, measured {[round(m, 7) for m in c['m']]}: the least-squares line is "
-                         f"overhead {c['want'][0]:.4g} s, k {c['want'][1]:.4g}; you returned {g[0]:.4g}, {g[1]:.4g}"
+                         f"overhead {c['want'][0]:.6g} s, k {c['want'][1]:.6g}; you returned {g[0]:.6g}, {g[1]:.6g} (off by "
+                         f"{_off(g[0], c['want'][0])}, {_off(g[1], c['want'][1])})"
                          + (f": {why}" if why else ""))
 
 
