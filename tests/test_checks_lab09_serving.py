@@ -99,6 +99,8 @@ def _variant(**changes):
         def schedule(self):
             batch, left = Batch(), self.max_tokens
             order = sorted(self.running, key=lambda s: s.to_compute > 1)
+            if changes.get("chunks_first"):
+                order = sorted(self.running, key=lambda s: s.to_compute == 1)
             if changes.get("skip_prefilling"):
                 order = [s for s in order if s.to_compute == 1]
             for seq in order:
@@ -143,13 +145,15 @@ WRONG = [
     (_variant(oldest_victim=True), ["preempt the newest"]),
     (_variant(lose_tokens=True), ["preempted", "lost tokens"]),
     (_variant(skip_prefilling=True), ["starve a running request"]),
+    # issue 34, kind 7: prompt chunks before decodes, seen also when the step has no room left
+    (_variant(chunks_first=True), ["is decoding and got no token", "decoding come first"]),
     (_variant(shortest_first=True), ["first come, first served"]),
     (_variant(no_chunks=True), ["left waiting", "chunks"]),
     (_variant(cached_counted_twice=True), ["left waiting", "from the prefix cache", "beyond cached_tokens"]),
 ]
 
 
-@pytest.mark.parametrize("impl,needles", WRONG, ids=["past-budget", "oldest-victim", "lost-tokens", "starves",
+@pytest.mark.parametrize("impl,needles", WRONG, ids=["past-budget", "oldest-victim", "lost-tokens", "starves", "chunks-first",
                                                       "overtakes", "no-chunks", "cached-twice"])
 def test_wrong_schedulers_rejected(impl, needles):
     expect_rejected(check_scheduler, impl, *needles)
@@ -227,6 +231,39 @@ class WalkCache(BlockManager):
         self.block_of.pop(key)
         self.evictions += 1
         return b
+
+
+class EvictKeepsKeyOf(WalkCache):
+    def evict(self):                     # forgets the key in block_of, not in key_of: a stale entry
+        b = next(iter(self.cached))
+        del self.cached[b]
+        self.block_of.pop(self.key_of[b])
+        self.evictions += 1
+        return b
+
+
+class EvictKeepsBlockOfAfterReuse(WalkCache):
+    def evict(self):                     # forgets the block in block_of, keeps its old key in key_of
+        b = next(iter(self.cached))
+        del self.cached[b]
+        self.block_of = {k: v for k, v in self.block_of.items() if v != b}
+        self.evictions += 1
+        return b                         # key_of[b] still names the old key: b can never be registered again
+
+
+class LookupCountsHits(WalkCache):
+    def lookup(self, tokens):            # right blocks, but a lookup that moves a counter
+        found = super().lookup(tokens)
+        self.hits += bool(found)
+        return found
+
+
+def test_prefix_cache_policies():
+    """Issue 34, kind 7: an eviction that leaves a stale entry (the prefix never found again) and a
+    lookup that changes a counter are rejected, each named."""
+    expect_rejected(check_prefix_cache, EvictKeepsKeyOf, "in your evict", "both forget it")
+    expect_rejected(check_prefix_cache, EvictKeepsBlockOfAfterReuse, "found again", "no key at all")
+    expect_rejected(check_prefix_cache, LookupCountsHits, "lookup changed the cache", "hits")
 
 
 def test_correct_prefix_caches_pass():
