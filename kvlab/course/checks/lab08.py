@@ -680,6 +680,36 @@ def _loop_cases(tok):
             ("max_new_tokens=0", batch((0, 5), 5), 0)]
 
 
+def _judge_loop(where, out, want, shape, calls, step, counter, before) -> None:
+    """One case of :func:`check_static_generate`: the shape, the prefill, the steps, the graphs, the tokens."""
+    from torch._dynamo.utils import counters
+
+    B, T, n = shape
+    if not isinstance(out, torch.Tensor) or out.dtype != torch.long or list(out.shape) != [B, T + n]:
+        got = (f"{out.dtype} {list(out.shape)}" if isinstance(out, torch.Tensor) else type(out).__name__)
+        raise fail(NAME_LOOP, f"{where}: return a LongTensor [B, T + max_new_tokens] = {[B, T + n]} (the "
+                              f"prompt, then the new tokens), got {got}")
+    if n and not calls:
+        raise fail(NAME_LOOP, f"{where}: no prefill: run the prompt once, eagerly, model(input_ids, cache, "
+                              "last_only=True); its last logits give the first new token")
+    if n >= 2 and step.calls != n - 1:
+        raise fail(NAME_LOOP, f"{where}: step called {step.calls} times; max_new_tokens={n} takes {n - 1} "
+                              "(the prefill gives the first new token, each step one more)")
+    breaks = {r: c for r, c in counters["graph_break"].items() if c > before.get(r, 0)}
+    if counter.frame_count > 1 or breaks:
+        raise fail(NAME_LOOP, f"{where}: torch compiled {counter.frame_count} graphs"
+                              + (f" and counted graph breaks ({'; '.join(breaks)[:200]})" if breaks else "")
+                              + ": one graph for every step of every prompt was expected. " + _NO_REASON)
+    if not torch.equal(out.cpu(), want):
+        row = int((out.cpu() != want).any(1).nonzero()[0])
+        i = first_difference(out[row].cpu(), want[row])
+        raise fail(NAME_LOOP, f"{where}: row {row}, token {i} (new token #{i - T + 1}) is {int(out[row, i])}, "
+                              f"transformers' greedy token is {int(want[row, i])}"
+                              + (": the first new token is the argmax of the prefill's last logits"
+                                 if i == T else ": the next ids are step's return value, fed back as "
+                                 "[B, 1] at the next position"))
+
+
 def check_static_generate(static_generate) -> None:
     """Grade ``static_generate(model, cache, step, input_ids, max_new_tokens) -> [B, T + n]``: reset
     the cache, the prompt eagerly through ``model(input_ids, cache, last_only=True)``, then every
@@ -688,7 +718,6 @@ def check_static_generate(static_generate) -> None:
     (two prompts of different lengths), no graph break. Calls ``torch._dynamo.reset()`` first."""
     from torch._dynamo.testing import CompileCounter
     from torch._dynamo.utils import counters
-
 
     hf, tok = grading_model()
     model = GPT2.from_hf(hf)
@@ -707,29 +736,7 @@ def check_static_generate(static_generate) -> None:
         with _quiet_dynamo(), torch._dynamo.config.patch(recompile_limit=3):
             out = learner_call(NAME_LOOP, f"{where}: static_generate(model, cache, step, <[{B}, {T}]>, {n})",
                                static_generate, mine, cache, step, ids.clone(), n)
-        if not isinstance(out, torch.Tensor) or out.dtype != torch.long or list(out.shape) != [B, T + n]:
-            got = (f"{out.dtype} {list(out.shape)}" if isinstance(out, torch.Tensor) else type(out).__name__)
-            raise fail(NAME_LOOP, f"{where}: return a LongTensor [B, T + max_new_tokens] = {[B, T + n]} (the "
-                                  f"prompt, then the new tokens), got {got}")
-        if n and not calls:
-            raise fail(NAME_LOOP, f"{where}: no prefill: run the prompt once, eagerly, model(input_ids, cache, "
-                                  "last_only=True); its last logits give the first new token")
-        if n >= 2 and step.calls != n - 1:
-            raise fail(NAME_LOOP, f"{where}: step called {step.calls} times; max_new_tokens={n} takes {n - 1} "
-                                  "(the prefill gives the first new token, each step one more)")
-        breaks = {r: c for r, c in counters["graph_break"].items() if c > before.get(r, 0)}
-        if counter.frame_count > 1 or breaks:
-            raise fail(NAME_LOOP, f"{where}: torch compiled {counter.frame_count} graphs"
-                                  + (f" and counted graph breaks ({'; '.join(breaks)[:200]})" if breaks else "")
-                                  + ": one graph for every step of every prompt was expected. " + _NO_REASON)
-        if not torch.equal(out.cpu(), want):
-            row = int((out.cpu() != want).any(1).nonzero()[0])
-            i = first_difference(out[row].cpu(), want[row])
-            raise fail(NAME_LOOP, f"{where}: row {row}, token {i} (new token #{i - T + 1}) is {int(out[row, i])}, "
-                                  f"transformers' greedy token is {int(want[row, i])}"
-                                  + (": the first new token is the argmax of the prefill's last logits"
-                                     if i == T else ": the next ids are step's return value, fed back as "
-                                     "[B, 1] at the next position"))
+        _judge_loop(where, out, want, (B, T, n), calls, step, counter, before)
     passed(NAME_LOOP, "two prompts of different lengths (and 1 and 0 new tokens) through your loop: transformers' "
                       f"greedy tokens, {counter.frame_count} graph compiled for every step, 0 graph breaks "
                       "(torch's counters), the prompt eager, the position a tensor")
