@@ -512,3 +512,30 @@ def test_fit_mistakes_rejected_by_name(name):
 def test_fit_unusual_correct_pass(impl, capsys):
     check_overhead_fit(impl)
     assert "PASSED" in capsys.readouterr().out
+
+
+# ---- issue 34: each exercise graded on its own (the right answers to the earlier ones stand in)
+
+def decode_step_bytes(model, B, S):             # a learner's exercise 1, off by the tables (wrong)
+    return sum(p.numel() * p.element_size() for p in model.parameters()) + _kv(model, B, S)
+
+
+def step_time_floor(model, B, S, bw, fl):       # a right exercise 2 on top of the wrong exercise 1
+    return max(decode_step_bytes(model, B, S) / bw, decode_step_flops(model, B, S) / fl)
+
+
+def bound_and_critical_on_own_floor(model, B, S, bw, fl):   # right exercise 3, calling the learner's floor
+    step_time_floor(model, B, S, bw, fl)
+    return closed_form(model, B, S, bw, fl)
+
+
+def test_each_exercise_is_graded_on_its_own(capsys):
+    """A wrong exercise 1 is reported by its own check only: exercises 2 and 3, right, pass, and say
+    that the right answers stood in; the learner's function is put back afterwards."""
+    expect_rejected(check_decode_step_bytes, decode_step_bytes, "look-up tables")
+    check_step_time_floor(step_time_floor)
+    check_bound_and_critical(bound_and_critical_on_own_floor)
+    out = capsys.readouterr().out
+    assert "the right decode_step_bytes stood in" in out
+    assert "the right decode_step_bytes and step_time_floor stood in" in out
+    assert globals()["decode_step_bytes"].__module__ == __name__          # put back
