@@ -253,3 +253,18 @@ def test_a_check_refuses_what_runs_and_names_the_line():
     with pytest.raises(GraderFailure) as err:
         check_paged_gather(sneaky)
     assert "ran kvlab.paged.paged_gather" in str(err.value) and "from sneaky (line" in str(err.value)
+
+
+def test_torchs_own_not_implemented_is_named_a_stubs_passes():
+    """Issue 34: torch's meta-device NotImplementedError is a named failure, not passed on as a stub."""
+    from kvlab.course.checks._common import learner_call
+
+    with pytest.raises(GraderFailure, match="inside torch, not your stub"):
+        learner_call("check_x", "f", lambda x: x.nonzero(), torch.ones(3, device="meta"))
+    with pytest.raises(GraderFailure, match="inside torch, not your stub"):      # a second input
+        learner_call("check_x", "f", lambda x: torch.unique(x), torch.ones(4, device="meta"))
+
+    def stub(x):
+        raise NotImplementedError("Exercise: write f")
+    with pytest.raises(NotImplementedError, match="Exercise: write f"):
+        learner_call("check_x", "f", stub, 1)

@@ -132,7 +132,7 @@ def _variant(**changes):
                     n = min(seq.num_tokens, left)          # the cached tokens counted in n too
                 if changes.get("no_chunks") and n < seq.num_tokens - start:
                     break
-                if not self.blocks.can_hold(seq, start + n):
+                if not changes.get("grant_unasked") and not self.blocks.can_hold(seq, start + n):
                     break
                 self.grant(batch, seq, n)
                 left -= n
@@ -147,13 +147,15 @@ WRONG = [
     (_variant(skip_prefilling=True), ["starve a running request"]),
     # issue 34, kind 7: prompt chunks before decodes, seen also when the step has no room left
     (_variant(chunks_first=True), ["is decoding and got no token", "decoding come first"]),
+    # a raw OutOfBlocks from the learner's grant becomes a named failure
+    (_variant(grant_unasked=True), ["OutOfBlocks", "can_hold"]),
     (_variant(shortest_first=True), ["first come, first served"]),
     (_variant(no_chunks=True), ["left waiting", "chunks"]),
     (_variant(cached_counted_twice=True), ["left waiting", "from the prefix cache", "beyond cached_tokens"]),
 ]
 
 
-@pytest.mark.parametrize("impl,needles", WRONG, ids=["past-budget", "oldest-victim", "lost-tokens", "starves", "chunks-first",
+@pytest.mark.parametrize("impl,needles", WRONG, ids=["past-budget", "oldest-victim", "lost-tokens", "starves", "chunks-first", "grant-unasked",
                                                       "overtakes", "no-chunks", "cached-twice"])
 def test_wrong_schedulers_rejected(impl, needles):
     expect_rejected(check_scheduler, impl, *needles)

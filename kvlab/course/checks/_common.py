@@ -96,10 +96,25 @@ def learner_call(check: str, what: str, fn, *args, **kwargs):
     behalf) becomes a failure that names the call. A stub's NotImplementedError passes through."""
     try:
         return fn(*args, **kwargs)
-    except (GraderFailure, NotImplementedError):
+    except NotImplementedError as e:
+        if not _raised_by_torch(e):
+            raise                                          # a stub not filled in yet: shown as it is
+        raise fail(check, f"{what} raised NotImplementedError inside torch, not your stub: {str(e)[:300]}. An "
+                          "operation your code called is not available for these tensors (on the meta device "
+                          "an operation that reads values, like .item() or nonzero(), cannot run): compute "
+                          "with shapes and tensor operations only") from e
+    except GraderFailure:
         raise
     except Exception as e:  # noqa: BLE001 - the learner's error, explained
         raise fail(check, f"{what} raised {type(e).__name__}: {e}") from e
+
+
+def _raised_by_torch(e: BaseException) -> bool:
+    """True when the innermost Python frame of ``e`` is torch's (or Python's), not the learner's."""
+    tb, last = e.__traceback__, None
+    while tb is not None:
+        last, tb = tb.tb_frame, tb.tb_next
+    return last is not None and os.path.abspath(last.f_code.co_filename).startswith(_THIRD)
 
 
 def expect_value_error(check: str, what: str, fn, *args) -> None:

@@ -20,6 +20,7 @@ from ._common import fail, passed
 from ._fake import FakeLM, fake_reference
 from .lab09 import library_copy
 from kvlab.gpt2 import GPT2
+from kvlab.paged import OutOfBlocks
 from kvlab.serving import Batch, Engine, Sequence, Status
 from kvlab.serving import BlockManager as LibraryBlockManager
 from kvlab.serving import Scheduler as LibraryScheduler
@@ -193,6 +194,11 @@ def _graded_class(Scheduler, title):
                 batch = Scheduler.schedule(self)
             except (AssertionError, NotImplementedError):
                 raise
+            except OutOfBlocks as e:
+                raise fail(NAME_SCHED, f"case '{title}', step {Graded.step}: your schedule() asked self.grant for "
+                                       f"blocks the pool did not have (OutOfBlocks: {e}): ask self.blocks.can_hold("
+                                       "seq, upto) before granting; when it says no, preempt by rule 2 or stop "
+                                       "admitting by rule 3") from None
             except Exception as e:  # noqa: BLE001
                 raise fail(NAME_SCHED, f"case '{title}', step {Graded.step}: your schedule() raised "
                                        f"{type(e).__name__}: {e}") from e
