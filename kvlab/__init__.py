@@ -9,10 +9,17 @@ only the domain.
   cache interface, its one mask rule and chapter 3's caches), ``pastlen`` (lab 3's cache contract in
   that interface), ``quant`` (the maths of quantization) and ``quant_cache`` (chapter 5's caches),
   ``static`` (chapter 8's static cache and compiled decode step), ``paged`` (chapter 9's allocator and
-  gathers) and ``paged_cache`` (the pool of blocks in the cache interface), ``serving`` (sequence, block
+  gathers), ``paged_cache`` (the pool of blocks in the cache interface), ``ragged`` (attention over a
+  ragged step, sequence by sequence), ``serving`` (sequence, block
   manager, scheduler, runner, engine, and the reference every request is checked against);
+* speculative decoding (chapter 10): ``speculative`` (draft, verify in one forward, accept, rewind every
+  cache; speculative sampling), ``drafts`` (prompt lookup, a small draft model, the target's own first
+  layers sharing its cache) and ``specbatch`` (batched speculation, each row rewound on its own blocks);
+* chapter 11's designs that shrink the cache: ``gqa`` (grouped-query heads converted from a trained
+  model), ``window`` (a sink + window cache), ``latent`` (an MLA-style latent);
 * the arithmetic: ``memory`` (chapter 4's formula), ``roofline`` (chapter 7's floor of a step),
-  ``flops`` (positions and FLOPs of chapter 1), ``batching`` (chapter 6's left-padded batches);
+  ``flops`` (positions and FLOPs of chapter 1), ``batching`` (chapter 6's left-padded batches),
+  ``designs`` (chapter 11: the published designs' cache bytes);
 * the inputs: ``configs`` (a model's shape and dtypes from any config), ``catalogue`` (the models the
   book prices), ``validate`` (every input check, one place per rule), ``paths`` (where the repository's
   files are), ``loading`` (models and devices), ``reference`` (transformers' own generators, the
@@ -22,7 +29,7 @@ Measurement: ``timing`` (honest timing), ``probes`` (the machine's bandwidth and
 ``harness`` (same tokens before timing, the decode-then-rewind timer), ``generators`` (the roster of
 the book's generators, one name each), ``footprint`` (the bytes tensors really hold),
 ``compilecount`` (what torch counts of a compiled function), per chapter ``quantbench`` (5),
-``rooflinebench`` (7), ``staticbench`` (8), ``servingbench`` (9); the commands ``bench`` (the headline
+``rooflinebench`` (7), ``staticbench`` (8), ``servingbench`` (9), ``specbench`` (10), ``shrinkbench`` (11); the commands ``bench`` (the headline
 ratios), ``report`` (a device's measurements as JSON: ``report_sections``, ``machine``) and ``cli``
 (their argument checks).
 
@@ -31,7 +38,8 @@ Presentation: ``notebook`` (a notebook's setup in one call: threads, seed, devic
 (diagrams drawn from the objects the code builds), ``progress`` (progress bars only where someone
 watches), ``verdicts`` (sentences computed from measurements), ``provenance`` (what produced a
 number: banner and stamps), ``calculator`` (chapter 4's calculator), ``rooflineview`` and
-``staticview`` (chapters 7 and 8's tables, figures and sentences), ``results`` (recorded runs read back).
+``staticview`` (chapters 7 and 8's tables, figures and sentences), ``specreport`` (chapter 10's),
+``results`` (recorded runs read back).
 
 The course, apart (``kvlab.course``; the book imports none of it): ``checks`` (the lab graders),
 ``labs`` (solutions -> labs, never over a learner's cells), ``grade`` (a learner's scorecard),

@@ -119,7 +119,8 @@ class Cache(ABC):
 
     def check_model(self, config, dtype, device) -> None:
         """Called by the model on first use: refuse a cache built for another model (ValueError)."""
-        want = dict(zip(("n_layer", "n_head", "head_dim"), kv_dims(config)))
+        dims = (config.n_layer, *config.cache_dims()) if hasattr(config, "cache_dims") else kv_dims(config)
+        want = dict(zip(("n_layer", "n_head", "head_dim"), dims))   # what this cache must store per token
         for name, value in want.items():
             have = getattr(self, name, None)
             if have is not None and have != value:
@@ -134,8 +135,7 @@ class Cache(ABC):
                              "build the cache on the model's device (model.new_cache does)")
 
     def _advance(self, layer: int, new_tokens: int) -> None:
-        """Count ``new_tokens`` once the *last* layer has stored them: during a forward pass every
-        layer must read the same ``seq_len``."""
+        """Count ``new_tokens`` once the *last* layer has stored them (every layer reads one ``seq_len``)."""
         if layer == self.n_layer - 1:
             self._len += new_tokens
 

@@ -11,6 +11,8 @@ from .paths import CONFIG_DIR
 
 
 GPT2_SIZES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
+# Chapter 10's draft for the real GPT-2 sizes (same tokenizer), from the Hub.
+HUB_DRAFTS = ("distilgpt2",)
 
 
 OPEN_MODELS_PATH = CONFIG_DIR / "open-models.json"

@@ -35,6 +35,7 @@ import torch.nn.functional as F
 
 from .cache import EMPTY, PreallocatedCache, visible
 from .pastlen import PastLenCache, as_cache
+from .ragged import Segments
 from .validate import check_inputs
 from .validate import check_context
 
@@ -55,6 +56,10 @@ class GPTConfig:
     @property
     def head_dim(self) -> int:
         return self.n_embd // self.n_head
+
+    def cache_dims(self) -> tuple[int, int]:
+        """``(heads, head_dim)`` of what the cache stores per token and layer (chapter 11 shrinks it)."""
+        return self.n_head, self.head_dim
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -147,7 +152,10 @@ class CausalSelfAttention(nn.Module):
             key_pos = rule.positions[:, None, :]   # no past: the keys are the new tokens themselves
         else:
             k, v, key_pos = cache.update(layer, k, v, rule.positions)   # every key the queries may need
-        y = attention_fn(q, k, v, rule.mask(key_pos))                   # [B, 1, T, S]: the one rule
+        if isinstance(key_pos, Segments):   # a ragged step: each sequence's queries see its keys only
+            y = key_pos.attend(q, k, v, attention_fn, rule.additive)
+        else:
+            y = attention_fn(q, k, v, rule.mask(key_pos))               # [B, 1, T, S]: the one rule
         return self.c_proj(y.transpose(1, 2).reshape(B, T, C))
 
 
@@ -250,7 +258,7 @@ class GPT2(nn.Module):
         """An empty cache for this model (``cache_cls``, a :class:`PreallocatedCache` by default);
         ``max_len`` defaults to the whole context, ``n_positions``."""
         cfg, p = self.config, self.wte.weight
-        return self.cache_cls(cfg.n_layer, batch_size, cfg.n_head, cfg.head_dim,
+        return self.cache_cls(cfg.n_layer, batch_size, *cfg.cache_dims(),
                               max_len or cfg.n_positions, dtype or p.dtype, device or p.device)
 
     @classmethod

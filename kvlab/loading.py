@@ -23,8 +23,8 @@ import socket
 from pathlib import Path
 
 import torch
-from .catalogue import GPT2_SIZES
-from .paths import CONFIG_DIR, TINY_DIR
+from .catalogue import GPT2_SIZES, HUB_DRAFTS
+from .paths import CONFIG_DIR, NANO_DIR, TINY_DIR
 from .configs import as_dtype
 
 SHAPE_PREFIX = "shape:"
@@ -43,7 +43,7 @@ class ModelNotAvailable(RuntimeError):
 
 
 def known_names() -> list[str]:
-    return ["kvlab-tiny", *GPT2_SIZES, *(SHAPE_PREFIX + s for s in GPT2_SIZES)]
+    return ["kvlab-tiny", "kvlab-nano", *GPT2_SIZES, *HUB_DRAFTS, *(SHAPE_PREFIX + s for s in GPT2_SIZES)]
 
 
 def _hub_reachable(timeout: float = 3.0) -> bool:
@@ -90,10 +90,13 @@ def load(name: str, device: str | torch.device | None = None, dtype: torch.dtype
                                     "run `python models/train_tiny.py` to rebuild it")
         model, tok = _load_folder(TINY_DIR, dtype)     # local files only: never a network call
         return _finish(_tag(model, name, "tiny"), device, dtype), tok
+    if name == "kvlab-nano":
+        model, tok = _load_folder(NANO_DIR, dtype)     # chapter 10's draft for kvlab-tiny; local files only
+        return _finish(_tag(model, name, "tiny"), device, dtype), tok
     if name.startswith(SHAPE_PREFIX):
         return _finish(_tag(_shape_only(name, seed), name, "shape-only"), device, dtype), None
     path = Path(name).expanduser()
-    if path.exists() or name not in GPT2_SIZES:
+    if path.exists() or name not in GPT2_SIZES + HUB_DRAFTS:
         model, tok = _load_folder(_checkpoint_folder(name, path), dtype)
         label, kind = _folder_label(path)
         return _finish(_tag(model, label, kind), device, dtype), tok

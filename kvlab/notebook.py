@@ -40,7 +40,7 @@ class Setup:
         return GPT2.from_hf(self.hf)
 
 
-def start(model: str | None = None, seed: int | None = 0, threads: int | None = None) -> Setup:
+def start(model: str | None = None, seed: int | None = 0, threads: int | None = None, device=None) -> Setup:
     """Set a notebook up and return its :class:`Setup`.
 
     ``threads``: torch's CPU threads (default: ``KVLAB_THREADS``, else ``OMP_NUM_THREADS``, else every
@@ -48,12 +48,12 @@ def start(model: str | None = None, seed: int | None = 0, threads: int | None = 
     ``model``: a name :func:`kvlab.loading.load` knows (chapters 7 and 8 ask for ``"kvlab-tiny"``); by
     default the book's model (:func:`kvlab.loading.load_default`: ``KVLAB_MODEL``, else real ``gpt2``
     when it can be loaded here, else the bundled ``kvlab-tiny``; the banner says why). The device is
-    :func:`kvlab.loading.pick_device`'s (``KVLAB_DEVICE`` overrides). Prints the thread count, shows
+    :func:`kvlab.loading.pick_device`'s (``KVLAB_DEVICE`` overrides) unless ``device`` names one. Prints the thread count, shows
     the banner (device, model, versions).
     """
     n = timing.set_threads(threads)
     if seed is not None:
         torch.manual_seed(seed)
-    device = loading.pick_device()
+    device = loading.pick_device() if device is None else loading.check_device(device)
     hf, tok = loading.load_default(device=device) if model is None else loading.load(model, device=device)
     return Setup(device, hf, tok, provenance.banner(hf, device), n)

@@ -17,9 +17,11 @@ copied before anyone appends to it (copy-on-write).
     block, offset, copy_from = alloc.append_slot("a")   # where token 41 goes
     alloc.fork("a", "b"); alloc.free("a"); alloc.free("b")
 
-:class:`PagedPool` puts the pool and an allocator together for the scheduler of
-:mod:`kvlab.serving`; :class:`PagedCache` wraps it in chapter 3's ``Cache`` interface so
-``kvlab.gpt2.generate`` runs on paged memory unchanged.
+:class:`kvlab.paged_cache.PagedPool` puts a pool and this allocator together, and
+:class:`kvlab.paged_cache.PagedCache` wraps it in chapter 3's ``Cache`` interface so
+``kvlab.gpt2.generate`` runs on paged memory unchanged. The serving engine (:mod:`kvlab.serving`)
+keeps its own pool in its runner and its own allocator, the block manager (which adds the prefix
+cache); this allocator is lab 9's reference, tested against the block manager on the same scenarios.
 """
 
 from __future__ import annotations
@@ -240,11 +242,11 @@ def batched_gather(pool: torch.Tensor, tables: list[list[int]], lengths: list[in
     return x, valid
 
 
-def joined_gather(pool: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """The blocks of ``index`` (``[n_seq, width]``, see :func:`block_index`) side by side in one row,
-    ``[1, heads, n_seq * width * block_size, head_dim]``: a ragged step's keys, one copy."""
-    x = pool[index.flatten()]                                        # [n_seq * width, heads, bs, D]
-    return x.transpose(0, 1).reshape(1, x.shape[1], -1, x.shape[3])
+def copy_block(keys: torch.Tensor, values: torch.Tensor, src: int, dst: int) -> None:
+    """Copy-on-write's copy: block ``src`` into block ``dst``, every layer, keys and values
+    (``[layers, blocks, heads, block_size, head_dim]``). The one copy both paged stores make."""
+    keys[:, dst] = keys[:, src]
+    values[:, dst] = values[:, src]
 
 
 # ---------------------------------------------------------------------------------------------------

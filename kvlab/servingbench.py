@@ -8,7 +8,8 @@ Metrics, from the engine's trace (times on its :class:`~kvlab.serving.clock.Cloc
   (last token - first token) / (tokens - 1); end-to-end latency: last token - arrival;
 * decode stall: the longest gap between two consecutive tokens of one request;
 * throughput: output tokens / the run's duration; goodput: requests that met both a TTFT and a TPOT
-  target, per second (DistServe's definition);
+  target, per second (vLLM bench's *request goodput*); DistServe's goodput, the highest arrival rate
+  at which a given share of requests meets them, is :func:`slo_goodput` over a sweep of rates;
 * used/reserved: tokens held by running sequences / the slots reserved for them, averaged over steps.
 """
 
@@ -22,8 +23,7 @@ import torch
 from .progress import bar
 from .serving.reference import References
 from .paged import BlockAllocator, blocks_for
-from .paged_cache import PagedPool
-from .roofline import lm_head, cache_read_bytes, matmul_weights, weight_bytes
+from .roofline import forward_floor
 from .serving import BlockManager, Engine, Runner, Sequence, Status
 from .timing import Timing, compare
 from .verdicts import NOISE, on, told_apart
@@ -133,15 +133,10 @@ def used_share(eng: Engine) -> float:
 
 
 def step_floor(model, tokens: int, logit_rows: int, keys: int, pairs: int, bandwidth: float, flops: float) -> float:
-    """The least time one ragged step could take: every weight read once, the keys and values of the
-    step's sequences read once; FLOPs of ``tokens`` through the layers, of the LM head for the
-    ``logit_rows`` rows that get logits only, and of attention over ``pairs`` (query, key) pairs."""
-
-    cfg = model.config
-    head = lm_head(model).numel()
-    fl = 2 * tokens * (matmul_weights(model) - head) + 2 * logit_rows * head + 4 * cfg.n_layer * cfg.n_embd * pairs
-    by = weight_bytes(model) + cache_read_bytes(model, 1, keys)
-    return max(by / bandwidth, fl / flops)
+    """The least time one ragged step could take: chapter 7's :func:`kvlab.roofline.forward_floor` of
+    ``tokens`` new tokens (the LM head only for the ``logit_rows`` rows that get logits), reading the
+    ``keys - tokens`` keys already cached for the step's sequences and scoring ``pairs`` (query, key) pairs."""
+    return forward_floor(model, tokens, logit_rows, max(keys - tokens, 0), pairs, bandwidth, flops)
 
 
 def run_floor(eng: Engine, bandwidth: float, flops: float) -> float:
@@ -165,7 +160,7 @@ def prepared_steps(model, rows: int, context: int, prompt_len: int, block_size: 
 
     nb = rows * blocks_for(context + 1, block_size) + blocks_for(prompt_len, block_size)
     bm = BlockManager(nb, block_size, prefix_caching=False)
-    runner, rng, vocab = Runner(model, PagedPool.for_model(model, nb, block_size), gather), random.Random(0), \
+    runner, rng, vocab = Runner(model, nb, block_size, gather), random.Random(0), \
         model.config.vocab_size
     decode = []
     for i in range(rows):
@@ -190,6 +185,43 @@ def mixed_step_timings(model, rows: int, context: int, prompt_len: int, repeats:
            "one ragged step (both)": lambda: runner.run(decode + prefill),
            "padded to the prompt": lambda: torch.no_grad()(model)(padded)}
     return compare(fns, warmup=1, repeats=repeats, progress=False)
+
+
+def mixed_vs_parts(mix: dict) -> dict:
+    """Per interleaved round, the sum and the larger of the two parts' times (decode rows alone, prefill
+    alone), as Timings beside the merged step's: the roofline's question is which one it tracks."""
+    d, p = mix["decode rows alone"].samples, mix["prefill alone"].samples
+    return {"sum of the parts": Timing("sum of the parts", [a + b for a, b in zip(d, p)]),
+            "larger part": Timing("larger part", [max(a, b) for a, b in zip(d, p)])}
+
+
+def mixed_floors(model, rows: int, context: int, prompt_len: int, bandwidth: float, flops: float) -> dict:
+    """Chapter 7's floor (:func:`kvlab.roofline.forward_floor`) of the decode rows, of the prefill and of
+    both in one step: a memory-bound merged step costs about its larger part (the weights are read once)."""
+    dec = forward_floor(model, rows, rows, rows * context, rows * context, bandwidth, flops)
+    pre = forward_floor(model, prompt_len, 1, 0, prompt_len * (prompt_len - 1) // 2, bandwidth, flops)
+    both = forward_floor(model, rows + prompt_len, rows + 1, rows * context,
+                         rows * context + prompt_len * (prompt_len - 1) // 2, bandwidth, flops)
+    return dict(decode=dec, prefill=pre, merged=both)
+
+
+def ragged_vs_contiguous(model, rows: int, context: int, repeats: int = 5) -> dict:
+    """Interleaved timings of one decode step of ``rows`` sequences holding ``context`` tokens each (equal
+    lengths): the engine's ragged step on the paged pool, and chapter 3's batched step on a contiguous
+    :class:`~kvlab.cache.PreallocatedCache` (rewound after each run, so every run is the same step)."""
+    runner, decode, _ = prepared_steps(model, rows, context, 1)
+    cache = model.new_cache(rows, context + 1)
+    ids = torch.randint(1, model.config.vocab_size, (rows, context + 1), device=runner.device)
+    with torch.no_grad():
+        model(ids[:, :context], cache)
+
+    def contiguous():
+        with torch.no_grad():
+            model(ids[:, context:], cache, last_only=True)
+        cache.rewind(context)
+
+    fns = {"ragged step (paged)": lambda: runner.run(decode), "contiguous step (chapter 3)": contiguous}
+    return compare(fns, warmup=2, repeats=repeats, progress=False)
 
 
 def block_size_timings(model, variants: dict, rows: int, context: int, repeats: int = 5) -> dict:
@@ -288,6 +320,14 @@ def poisson_sweep(model, workload, rates, policies: dict, repeats: int = 1, seed
     for row in rows.values():
         row.update({k: median_of(row["runs"], k) for k in row["runs"][0]})
     return list(rows.values())
+
+
+def slo_goodput(rows: list[dict], policy: str, attainment: float = 0.9) -> float | None:
+    """DistServe's goodput: the highest arrival rate of the sweep at which at least ``attainment`` of the
+    requests met both latency targets (median over rounds); None if no rate did. (The ``goodput`` column
+    of :func:`summarize` is vLLM bench's request goodput: requests meeting the targets per second.)"""
+    ok = [r["rate"] for r in rows if r["policy"] == policy and r["met"] >= attainment]
+    return max(ok) if ok else None
 
 
 # ---------------------------------------------------------------------------------------------------

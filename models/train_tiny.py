@@ -36,6 +36,13 @@ else runs at the same time. The script sets it itself when it is not set, but th
 variable must be in place before torch is imported, so setting it in the shell is the
 reliable way.
 
+The same script trains chapter 10's draft model, ``kvlab-nano``: narrower and shallower, on the same
+corpus and split, with kvlab-tiny's tokenizer reused rather than retrained (``--tokenizer``), so that
+both models mean the same text by the same token id (see ``models/kvlab-nano/README.md``)::
+
+    OMP_WAIT_POLICY=PASSIVE nice -n 10 .venv/bin/python models/train_tiny.py --tokenizer models/kvlab-tiny \
+        --name kvlab-nano --layers 2 --heads 2 --width 128 --steps 600 --warmup 30 --out models/kvlab-nano
+
 A quick end-to-end check of the whole pipeline (seconds, no network)::
 
     .venv/bin/python models/train_tiny.py --smoke --corpus SOME_FILE --out /tmp/tiny
@@ -247,6 +254,11 @@ def main(argv=None) -> dict:
     p.add_argument("--work", type=Path, default=WORK, help="scratch folder (downloads, raw corpus)")
     p.add_argument("--corpus", type=Path, default=None, help="use this `bible`-format file instead of downloading")
     p.add_argument("--smoke", action="store_true", help="tiny end-to-end run (seconds) to test the pipeline")
+    p.add_argument(
+        "--tokenizer", type=Path, default=None,
+        help="reuse this model folder's tokenizer instead of training one (a draft model must share its target's)",
+    )
+    p.add_argument("--name", default="kvlab-tiny", help="model name written to metrics.json")
     p.add_argument("--steps", type=int, default=1800, help="optimizer steps (the budget; not wall clock)")
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--ctx", type=int, default=512)
@@ -297,8 +309,11 @@ def main(argv=None) -> dict:
 
     # 2. Tokenizer ----------------------------------------------------------------------
     t0 = time.time()
-    tokenizer = train_tokenizer(train_text, args.vocab)
-    tokenizer.save_pretrained(out)
+    if args.tokenizer is not None:   # the files as they are (a save would add the loader's flags)
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copy(args.tokenizer / name, out / name)
+    else:
+        train_tokenizer(train_text, args.vocab).save_pretrained(out)
     tokenizer = AutoTokenizer.from_pretrained(out)  # from here on, use what ships
     train_ids = torch.tensor(encode(tokenizer, train_text), dtype=torch.long)
     held_ids = encode(tokenizer, held_text)
@@ -409,7 +424,8 @@ def main(argv=None) -> dict:
 
     size = sum(f.stat().st_size for f in out.iterdir() if f.is_file() and f.name != "metrics.json")
     metrics = {
-        "model": "kvlab-tiny" if not args.smoke else "kvlab-tiny (smoke test)",
+        "model": args.name if not args.smoke else f"{args.name} (smoke test)",
+        "tokenizer": "trained" if args.tokenizer is None else f"reused from {args.tokenizer.name}",
         "smoke": args.smoke,
         "steps": args.steps,
         "batch": args.batch,

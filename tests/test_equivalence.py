@@ -7,7 +7,9 @@ eager and compiled (8), the paged cache inside the serving engine (9), and each 
 left-padded batch (6). Edges: a 1-token prompt, a cache filled to exactly max_len (and the whole
 context), a prompt that ends exactly on a block boundary, a sequence that crosses one during decode.
 Quantized caches are held to their stated tolerance (``kvlab.quant_cache.TOLERANCE``). Every cache kind is
-rewound: generate, rewind, regenerate, same tokens.
+rewound: generate, rewind, regenerate, same tokens. Speculative greedy decoding (chapter 10) with each
+draft (prompt lookup, kvlab-nano, the target's first layers) on each cache kind it rewinds
+(preallocated, static, paged, transformers' DynamicCache through ``crop``) gives the same tokens too.
 """
 
 import pytest
@@ -16,12 +18,12 @@ import torch
 from kvlab.batching import batched_generate, generate_padded, make_batch, one_by_one
 from kvlab.cache import ConcatCache, PreallocatedCache, SlidingWindowKVCache
 from kvlab.reference import cached_generate, hf_greedy, naive_generate
-from kvlab.gpt2 import generate, generate_uncached
+from kvlab.gpt2 import GPT2, generate, generate_uncached
 from kvlab.harness import rewind_and_regenerate, rewinding_step
-from kvlab.paged_cache import PagedCache, PagedPool, ragged_forward
+from kvlab.paged_cache import PagedCache
 from kvlab.quant_cache import TOLERANCE, AbsmaxFakeInt8Cache, QuantizedKVCache
 from kvlab.quantbench import agreement, score_through_cache
-from kvlab.serving import Engine
+from kvlab.serving import BlockManager, Engine, Runner, Sequence
 from kvlab.serving.reference import reference_tokens
 from kvlab.static import StaticKVCache, StaticDecoder
 
@@ -130,18 +132,21 @@ def test_serving_engine_gives_each_prompt_its_own_tokens(setup, prompts, want):
 
 
 def test_ragged_step_by_hand(setup, prompts, want):
-    """The paged cache alone, one ragged step at a time: two prefills in one step, then both decode."""
+    """The runner alone, one ragged step at a time: two prefills in one step, then both decode, each
+    query scoring its own sequence's keys only (kvlab.ragged.Segments)."""
     _, _, ours = setup
     (a_name, a), (b_name, b) = prompts[0], prompts[5]
-    cache = PagedPool.for_model(ours, num_blocks=32, block_size=4)
-    logits = ragged_forward(ours, cache, ["a", "b"], [a[0].tolist(), b[0].tolist()])
-    out = [[t] for t in logits.argmax(-1).tolist()]
-    for _ in range(N - 1):
-        logits = ragged_forward(ours, cache, ["a", "b"], [out[0][-1:], out[1][-1:]])
-        for row, t in zip(out, logits.argmax(-1).tolist()):
-            row.append(t)
-    assert out == [want[a_name][0, -N:].tolist(), want[b_name][0, -N:].tolist()]
-    assert cache.lengths == {"a": a.shape[1] + N - 1, "b": b.shape[1] + N - 1}
+    blocks, runner = BlockManager(32, 4, prefix_caching=False), Runner(ours, 32, 4)
+    seqs = [Sequence(name, tuple(x[0].tolist()), N) for name, x in (("a", a), ("b", b))]
+    for _ in range(N):
+        work = []
+        for s in seqs:
+            runner.copy_blocks(blocks.allocate(s, s.num_tokens))
+            work.append((s, s.to_compute))
+        for (s, n), t in zip(work, runner.run(work)):
+            s.num_computed += n
+            s.append(t)
+    assert [s.output for s in seqs] == [want[a_name][0, -N:].tolist(), want[b_name][0, -N:].tolist()]
 
 
 def test_left_padded_batches(setup):
@@ -237,3 +242,133 @@ def test_reference_tokens_is_chapter_3(setup, prompts, want):
     _, _, ours = setup
     for name, ids in prompts:
         assert reference_tokens(ours, ids[0].tolist(), N) == want[name][0, -N:].tolist()
+
+
+def test_serving_features_sampling_stop_n_and_preemption_with_prefix_caching(setup, prompts):
+    """Chapter 9's engine, with what servers offer: per-request sampling with a seed (the same tokens as the
+    uncached sampler with the same generator), stop tokens, n > 1 samples forked from the prompt's blocks
+    (copy-on-write), and preemption with prefix caching on (the recompute finds the victim's own blocks)."""
+    from kvlab.serving import SamplingParams
+    from kvlab.serving.reference import reference_tokens, sampled_reference
+    _, _, ours = setup
+    eng = Engine(ours, num_blocks=14, block_size=4, max_num_batched_tokens=16, max_num_seqs=4)
+    hot = SamplingParams(temperature=0.9, top_k=40, top_p=0.9, seed=7, n=3)
+    text0 = prompts[0][1][0].tolist()
+    multi = eng.submit(text0, 10, sampling=hot)
+    greedy = [eng.submit(ids[0].tolist(), N) for _, ids in prompts[1:4]]
+    first = reference_tokens(ours, prompts[4][1][0].tolist(), N)
+    stop = eng.submit(prompts[4][1][0].tolist(), N, sampling=SamplingParams(stop=(first[3],)))
+    eng.run()
+    samples = [multi] + [eng.seqs[(multi.rid, i)] for i in (1, 2)]
+    for i, s in enumerate(samples):
+        assert s.output == sampled_reference(ours, text0, 10, hot, offset=i), i
+    assert len({tuple(s.output) for s in samples}) > 1                 # three samples, not one copied
+    for (_, ids), s in zip(prompts[1:4], greedy):
+        assert s.output == reference_tokens(ours, ids[0].tolist(), N)
+    assert stop.output == first[:first.index(first[3]) + 1]            # ends on its stop token
+    assert eng.blocks.copies >= 1 and eng.scheduler.preemptions >= 1
+    assert any(s.preemptions and s.cached_tokens for s in eng.seqs.values())   # a recompute found its blocks
+
+
+def speculative_drafts(hf_ours):
+    from kvlab import loading
+    from kvlab.speculative import ModelDraft, PromptLookupDraft, SelfDraft
+
+    nano = GPT2.from_hf(loading.load("kvlab-nano", device="cpu")[0])
+    return {"prompt lookup": PromptLookupDraft(), "kvlab-nano": ModelDraft(nano),
+            "self-draft (2 layers)": SelfDraft(hf_ours, 2)}
+
+
+@pytest.mark.parametrize("k", [1, 4])
+def test_speculative_greedy_every_draft_every_cache(setup, prompts, want, k):
+    """Chapter 10: draft k, verify in one forward, rewind every cache: the reference's tokens, for each
+    draft and each cache kind (the hand-built model's three, and transformers' own model with its
+    DynamicCache, rewound by ``crop(-count)``)."""
+    from kvlab.speculative import HFCache, speculative_generate
+
+    hf, _, ours = setup
+    wrong = []
+    for draft_name, draft in speculative_drafts(ours).items():
+        for name, ids in prompts:
+            n = ids.shape[1] + N
+            runs = {"preallocated": (ours, None), "static": (ours, StaticKVCache(*_sizes(ours, 1, n))),
+                    "paged (block 4)": (ours, PagedCache(*_sizes(ours, 1, n), block_size=4)),
+                    "transformers DynamicCache": (hf, HFCache(hf.config))}
+            for cache_name, (model, cache) in runs.items():
+                out, _ = speculative_generate(model, ids, N, draft, k, cache=cache)
+                if not torch.equal(out, want[name]):
+                    wrong.append(f"{draft_name} on {cache_name}, {name}")
+    assert not wrong, f"different greedy tokens (k={k}): {wrong}"
+
+
+# ---------------------------------------------------------------------------------------------------
+# Chapter 11: caches shrunk by design. Each variant is a different model, so its reference is itself
+# without a cache (the window: the same model with a banded mask over the whole text).
+
+
+def band_attention(window, sinks):
+    """The uncached reference of a window with sinks: every query of an unpadded text (positions =
+    indices) sees the sinks and the ``window`` positions ending at its own."""
+    import torch.nn.functional as F
+
+    def fn(q, k, v, mask):
+        i, j = torch.arange(q.shape[-2])[:, None], torch.arange(k.shape[-2])[None]
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask & ((j > i - window) | (j < sinks)))
+    fn.takes_mask = True
+    return fn
+
+
+def test_gqa_every_group_count_and_method_cached_equals_uncached(setup, prompts):
+    """Every group count x every conversion: the preallocated cache (n_kv heads stored) gives the
+    uncached tokens; both expansions of the shared heads, and a paged cache, on the smallest count."""
+    from kvlab import gqa
+
+    hf, tok, ours = setup
+    calib = tok(" ".join(TEXTS * 6), return_tensors="pt").input_ids
+    chosen = [prompts[0], prompts[3], prompts[5]]                 # a text, 1 token, a block crossed
+    for n_kv in gqa.group_counts(ours.config.n_head):
+        for method in gqa.METHODS:
+            model = gqa.convert(ours, n_kv, method, calib)
+            for name, ids in chosen:
+                want = generate_uncached(model, ids, N)
+                assert torch.equal(generate(model, ids, N), want), (n_kv, method, name)
+                if n_kv == 1 and method == "pca":
+                    native = gqa.convert(ours, n_kv, method, calib, expand="native")
+                    assert torch.equal(generate(native, ids, N), want), (n_kv, method, name, "native")
+                    paged = PagedCache(ours.config.n_layer, 1, n_kv, ours.config.head_dim, ids.shape[1] + N, block_size=4)
+                    assert torch.equal(generate(model, ids, N, cache=paged), want), (n_kv, method, name, "paged")
+
+
+@pytest.mark.parametrize("window,sinks", [(1, 0), (1, 1), (5, 0), (5, 3), (12, 4), (64, 2)])
+def test_sink_window_cached_equals_banded_uncached(setup, window, sinks):
+    """Decode steps and chunks of every size (a chunk needs window - 1 + k keys) give the banded model's logits."""
+    from kvlab.window import SinkWindowKVCache
+
+    hf, tok, ours = setup
+    ids = tok(" ".join(TEXTS * 2), return_tensors="pt").input_ids[:, :48]
+    banded = GPT2.from_hf(hf, attention_fn=band_attention(window, sinks))
+    ref = banded(ids)
+    for chunk in (1, 2, 5, window, 48):
+        cache = SinkWindowKVCache(ours.config.n_layer, window, sinks)
+        got = torch.cat([ours(ids[:, i:i + chunk], cache) for i in range(0, 48, chunk)], dim=1)
+        torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4, msg=f"chunk {chunk}")
+        assert cache.held == min(48, sinks + window - 1) and cache.seq_len == 48
+    for _, prompt in [("short", ids[:, :3]), ("long", ids[:, :30])]:
+        assert torch.equal(generate(ours, prompt, N, cache=SinkWindowKVCache(ours.config.n_layer, window, sinks)),
+                           generate_uncached(banded, prompt, N))
+
+
+def test_latent_every_rank_cached_equals_uncached_both_forms(setup, prompts):
+    from kvlab import latent
+
+    hf, tok, ours = setup
+    calib = tok(" ".join(TEXTS * 6), return_tensors="pt").input_ids
+    C = ours.config.n_embd
+    for rank in (1, C // 4, C // 2, C):
+        for method in latent.METHODS:
+            rebuilt = latent.convert(ours, rank, method, calib)
+            absorbed = latent.convert(ours, rank, method, calib, absorb=True)
+            for name, ids in (prompts[0], prompts[3]):
+                want = generate_uncached(rebuilt, ids, N)
+                assert torch.equal(generate(rebuilt, ids, N), want), (rank, method, name)
+                assert torch.equal(generate(absorbed, ids, N), want), (rank, method, name, "absorbed")

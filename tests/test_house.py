@@ -34,8 +34,9 @@ def hf_name(cell: str) -> str:
     for line in cell.splitlines():
         names, _, values = line.partition(" = ")
         values = [v.strip() for v in values.split("#")[0].split(",")]
-        if f"{setup}.hf" in values:
-            return [n.strip() for n in names.split(",")][values.index(f"{setup}.hf")]
+        targets = [n.strip() for n in names.split(",")]
+        if f"{setup}.hf" in values and len(targets) == len(values):     # an assignment, not a call's arguments
+            return targets[values.index(f"{setup}.hf")]
     return ""
 
 

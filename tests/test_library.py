@@ -193,7 +193,9 @@ def test_domain_modules_print_plot_and_tabulate_nothing():
     import kvlab
 
     root = pathlib.Path(kvlab.__file__).parent
-    for name in ("gpt2", "cache", "static", "paged", "serving", "quant", "roofline", "memory", "batching"):
+    for name in ("gpt2", "cache", "static", "paged", "serving", "quant", "roofline", "memory", "batching",
+                 "speculative", "drafts", "specbatch",
+                 "gqa", "window", "latent", "designs"):
         files = [root / f"{name}.py"] if (root / f"{name}.py").exists() else sorted((root / name).glob("*.py"))
         assert files, f"kvlab/{name} not found"
         src = "\n".join(f.read_text() for f in files)

@@ -103,3 +103,38 @@ def test_rate_must_be_positive():
     for bad in (0, -1.0, float("nan"), True):
         with pytest.raises(ValueError, match="rate"):
             poisson_arrivals(4, bad)
+
+
+def _counting_attention(tally):
+    """The model's attention (SDPA), tallying the (query, key) pairs it scores and those its mask shows."""
+    def attend(q, k, v, mask):
+        b, _, T, S = q.shape[0], q.shape[1], q.shape[2], k.shape[2]
+        tally["scored"] += b * T * S
+        tally["visible"] += b * T * S if mask is None else int((mask == 0).expand(b, 1, T, S).sum())
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    attend.takes_mask = "additive"
+    return attend
+
+
+@pytest.mark.parametrize("prompt_len", [0, 48])
+def test_ragged_step_scores_only_visible_pairs(ours, prompt_len):
+    """The issue's mixed step: 7 decode rows at 128 cached tokens (+ a 48-token prompt). Each query scores
+    its own sequence's keys only: decode rows exactly the visible pairs; a prompt chunk adds only the
+    future half of its own n x n square (masked; a causal kernel's diagonal tiles compute it too). The
+    old step (every query over every key of the step) scored 55 x 951 = 52,305 pairs for 2,079 visible."""
+    from kvlab.servingbench import prepared_steps
+    runner, decode, prefill = prepared_steps(ours, 7, 128, max(prompt_len, 1))
+    work = decode + (prefill if prompt_len else [])
+    tally = {"scored": 0, "visible": 0}
+    want = runner.run(work)
+    ours.attention_fn = _counting_attention(tally)
+    try:
+        assert runner.run(work) == want                       # the same tokens through the counter
+    finally:
+        ours.attention_fn = None
+    layers = ours.config.n_layer
+    visible = 7 * 129 + prompt_len * (prompt_len + 1) // 2
+    assert tally["visible"] == layers * visible
+    assert tally["scored"] == layers * (visible + prompt_len * (prompt_len - 1) // 2)
+    ids, view, rows = runner.prepare(work)
+    assert view.segments.pairs() == (visible + prompt_len * (prompt_len - 1) // 2, visible)

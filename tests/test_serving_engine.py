@@ -268,3 +268,102 @@ def test_numpy_ids_are_accepted_and_lists_as_eos_refused():
         eng.submit([1, 2], 3, eos_token_id=[0])
     eng.run()
     _check(eng, [s])
+
+
+@pytest.mark.parametrize("order", ["decode-first", "arrival"])
+def test_preempted_recompute_longer_than_the_budget_with_chunking_off(order):
+    """The issue's reproduction: 12 blocks of 4, a 16-token budget, chunked prefill off, three requests of
+    10 + 30 tokens. A preempted request comes back with up to 39 tokens to recompute, more than one step
+    holds: its recompute is chunked (it used to wait forever: 'a bug in the scheduler')."""
+    eng = Engine(FakeLM(vocab=V), num_blocks=12, block_size=4, max_num_batched_tokens=16, chunked_prefill=False,
+                 running_order=order)
+    prompts = [[(7 * i + j) % V for j in range(10)] for i in range(3)]
+    seqs = [eng.submit(p, 30) for p in prompts]
+    eng.run()
+    assert eng.scheduler.preemptions >= 1
+    for s, p in zip(seqs, prompts):
+        assert s.status is Status.FINISHED and s.output == fake_reference(p, 30, V)
+    assert eng.blocks.num_free == 12
+
+
+def test_a_request_on_a_pinned_prefix_that_fits_is_served():
+    """A pinned prefix takes blocks from the pool; a request that forks it needs only the rest, so one
+    that fits in what is left is served (it used to be refused as 'can never be served')."""
+    eng = Engine(FakeLM(vocab=V), num_blocks=8, block_size=4, max_num_batched_tokens=8, chunked_prefill=False)
+    prefix = list(range(1, 17))                                    # 4 full blocks pinned
+    eng.add_prefix(prefix)
+    seq = eng.submit(prefix + [40, 41, 42], 10)                    # 28 tokens = 7 blocks, 4 of them shared
+    eng.run()
+    assert seq.output == fake_reference(prefix + [40, 41, 42], 10, V)
+    with pytest.raises(ValueError, match="never be served"):
+        eng.submit(prefix + [40] * 3, 20)                          # 38 tokens: 10 blocks, 6 beyond the prefix
+
+
+def test_commit_hashes_each_full_block_once():
+    hashed = []
+
+    class Counting(BlockManager):
+        committing = False
+
+        def _keys(self, tokens, parent=b""):
+            if self.committing:
+                hashed.append(len(tokens) // self.block_size)
+            return super()._keys(tokens, parent)
+
+        def commit(self, seq):
+            self.committing = True
+            super().commit(seq)
+            self.committing = False
+
+    eng = Engine(FakeLM(vocab=V), num_blocks=16, block_size=4, block_manager_cls=Counting)
+    seq = eng.submit(list(range(1, 10)), 30)
+    eng.run()
+    full = (seq.num_tokens - 1) // 4
+    assert sum(hashed) == full and len(seq.block_keys) == full      # every full block hashed once
+
+
+def test_static_batch_takes_all_that_memory_and_max_num_seqs_allow():
+    """Static batching admits a whole batch (all the waiting requests that fit, up to max_num_seqs), over
+    as many steps as the token budget needs, and none until the batch has finished."""
+    eng = Engine(FakeLM(vocab=V), num_blocks=64, block_size=4, max_num_batched_tokens=12, max_num_seqs=5,
+                 admission="reserve", batching="static")
+    seqs = [eng.submit([1 + i] * 9, 6) for i in range(12)]
+    sizes = []
+    while eng.step():
+        sizes.append(len(eng.scheduler.running))
+    assert max(sizes) == 5 and sizes.count(5) >= 2      # two batches of 5 (then 2); the old rule: 1 or 2
+    assert all(s.output == fake_reference([1 + i] * 9, 6, V) for i, s in enumerate(seqs))
+
+
+def test_sampling_params_are_checked_and_n_samples_fork():
+    from kvlab.serving import SamplingParams
+    for kw, needle in [(dict(temperature=-1), "temperature"), (dict(top_k=-1), "top_k"), (dict(top_p=0), "top_p"),
+                       (dict(n=0), "n "), (dict(seed=1.5), "seed"), (dict(stop=[3]), "stop")]:
+        with pytest.raises(ValueError, match=needle):
+            SamplingParams(**kw)
+    eng = Engine(FakeLM(vocab=V), num_blocks=16, block_size=4)
+    with pytest.raises(ValueError, match="SamplingParams"):
+        eng.submit([1, 2], 3, sampling="greedy")
+    seq = eng.submit([1, 2, 3, 4, 5, 6], 5, sampling=SamplingParams(n=3))   # greedy samples: all equal
+    eng.run()
+    assert [eng.seqs[r].output for r in (seq.rid, (seq.rid, 1), (seq.rid, 2))] == [fake_reference([1, 2, 3, 4, 5, 6], 5, V)] * 3
+    assert eng.blocks.copies >= 2 and eng.blocks.num_free == 16
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_lab9_allocator_and_the_block_manager_agree_on_the_same_scenarios(seed):
+    """Lab 9's BlockAllocator (the lab's reference, through the block manager's interface) and the engine's
+    block manager (prefix cache off) drive the same workload: the same steps, blocks in use, preemptions,
+    copies and tokens."""
+    from kvlab.paged import BlockAllocator
+    wl = _workload(10, seed)
+    runs = []
+    for kw in (dict(allocator_cls=BlockAllocator), dict(prefix_caching=False)):
+        eng = Engine(FakeLM(vocab=V), num_blocks=12, block_size=4, max_num_batched_tokens=10, max_num_seqs=4, **kw)
+        eng.add_prefix([5, 6, 7, 8, 9, 10])                        # copy-on-write on both
+        seqs = [eng.submit(p, m) for p, m in wl]                  # all at t=0: no clock in the comparison
+        eng.run()
+        runs.append(([t["blocks_used"] for t in eng.trace.steps], eng.scheduler.preemptions, eng.blocks.copies,
+                     [s.output for s in seqs]))
+    assert runs[0] == runs[1]
+    assert runs[0][1] > 0 and runs[0][2] > 0

@@ -11,10 +11,13 @@ Measurements (workloads, arrivals, metrics, tables, plots) live in :mod:`kvlab.s
 
 from .block_manager import AllocatorBlocks, BlockManager
 from .clock import Clock, Trace
+from .config import EngineConfig
 from .engine import Engine
-from .runner import RaggedStep, Runner, ragged_inputs
+from .runner import RaggedStep, Runner, allocate_kv_cache, step_inputs
+from .sampling import SamplingParams, sample
 from .scheduler import Batch, Scheduler
 from .sequence import Sequence, Status
 
-__all__ = ["AllocatorBlocks", "Batch", "BlockManager", "Clock", "Engine", "RaggedStep", "Runner", "Scheduler",
-           "Sequence", "Status", "Trace", "ragged_inputs"]
+__all__ = ["AllocatorBlocks", "Batch", "BlockManager", "Clock", "Engine", "EngineConfig", "RaggedStep", "Runner", "SamplingParams", "Scheduler",
+           "Sequence", "Status", "Trace", "allocate_kv_cache",
+           "sample", "step_inputs"]

@@ -18,6 +18,9 @@ Counters: ``hits`` (blocks found), ``hit_tokens`` (prompt tokens not recomputed)
 
 from __future__ import annotations
 
+import hashlib
+import inspect
+from array import array
 from collections import OrderedDict, deque
 
 from ..paged import OutOfBlocks, blocks_for, blocks_to_grow
@@ -38,6 +41,7 @@ class BlockManager:
         self.key_of: list = [None] * num_blocks           # the key a registered block is found by (None: none)
         self.block_of: dict = {}                          # key -> the block registered under it
         self.hits = self.hit_tokens = self.evictions = self.copies = 0
+        self._chained = "parent" in inspect.signature(self._keys).parameters   # can extend a chain
 
     # -- queries --------------------------------------------------------------------------------
     @property
@@ -50,11 +54,13 @@ class BlockManager:
             raise ValueError(f"block must be an int in [0, {self.num_blocks}), got {block!r}")
         return self._ref[block]
 
-    def _keys(self, tokens) -> list:
-        """Chained keys of the full blocks of ``tokens``: key i names tokens[: (i + 1) * block_size]."""
-        keys, parent, bs = [], None, self.block_size
+    def _keys(self, tokens, parent: bytes = b"") -> list:
+        """Chained keys of the full blocks of ``tokens``: key i names tokens[: (i + 1) * block_size]
+        (after ``parent``, the key of the blocks before them). SHA-256 of the parent's key and the
+        block's tokens, as vLLM offers: two different prefixes share a key only by a hash collision."""
+        keys, bs = [], self.block_size
         for i in range(len(tokens) // bs):
-            parent = (hash(parent), tuple(tokens[i * bs:(i + 1) * bs]))   # exact: tokens + parent's hash
+            parent = hashlib.sha256(parent + array("q", tokens[i * bs:(i + 1) * bs]).tobytes()).digest()
             keys.append(parent)
         return keys
 
@@ -150,26 +156,44 @@ class BlockManager:
             self._ref[b] += 1
         child.block_table = list(parent.block_table)
         child.num_computed = parent.num_computed
+        child.committed = 0
 
     def commit(self, seq: Sequence) -> None:
         """After a step: register the blocks of ``seq`` that are now full (their tokens are computed)."""
         if not self.prefix_caching:
             return
-        for i, key in enumerate(self._keys(seq.tokens[:seq.num_computed])):
-            b = seq.block_table[i]
+        full, bs, keys = seq.num_computed // self.block_size, self.block_size, seq.block_keys
+        if len(keys) < full and self._chained:   # hash only the blocks that became full since last time
+            keys += self._keys(seq.tokens[len(keys) * bs:full * bs], keys[-1] if keys else b"")
+        elif len(keys) < full:            # a subclass's _keys(tokens) without a parent: all of them again
+            keys[:] = self._keys(seq.tokens[:full * bs])
+        for i in range(seq.committed, full):
+            b, key = seq.block_table[i], keys[i]
             if self.key_of[b] is None and key not in self.block_of:   # the first copy of a prefix wins
                 self.key_of[b], self.block_of[key] = key, b
+        seq.committed = full
 
-    def free(self, seq: Sequence) -> None:
-        """Drop the sequence's references; an unreferenced block goes to the free list, or (if it is
-        registered) to the most recently used end of the cache."""
-        for b in reversed(seq.block_table):    # the tail first: it is the least likely to be shared
+    def truncate(self, seq: Sequence, num_tokens: int) -> None:
+        """Keep the blocks that hold ``seq``'s first ``num_tokens`` tokens; the rest go back (a rewind:
+        chapter 10's rejected drafts). A kept partly filled block is overwritten by the next tokens."""
+        keep = blocks_for(num_tokens, self.block_size)
+        tail, seq.block_table = seq.block_table[keep:], seq.block_table[:keep]
+        self._release(tail)
+        seq.committed = min(seq.committed, num_tokens // self.block_size)
+
+    def _release(self, blocks) -> None:
+        for b in reversed(blocks):    # the tail first: it is the least likely to be shared
             self._ref[b] -= 1
             if self._ref[b] == 0:
                 if self.key_of[b] is not None:
                     self.cached[b] = None
                 else:
                     self._free.append(b)
+
+    def free(self, seq: Sequence) -> None:
+        """Drop the sequence's references; an unreferenced block goes to the free list, or (if it is
+        registered) to the most recently used end of the cache."""
+        self._release(seq.block_table)
         seq.block_table = []
 
 
@@ -237,6 +261,23 @@ class AllocatorBlocks:
 
     def commit(self, seq: Sequence) -> None:
         pass
+
+    def truncate(self, seq: Sequence, num_tokens: int) -> None:
+        """Keep the blocks that hold ``seq``'s first ``num_tokens`` tokens; the rest go back (a rewind:
+        chapter 10's rejected drafts). A kept partly filled block is overwritten by the next tokens."""
+        keep = blocks_for(num_tokens, self.block_size)
+        tail, seq.block_table = seq.block_table[keep:], seq.block_table[:keep]
+        self._release(tail)
+        seq.committed = min(seq.committed, num_tokens // self.block_size)
+
+    def _release(self, blocks) -> None:
+        for b in reversed(blocks):    # the tail first: it is the least likely to be shared
+            self._ref[b] -= 1
+            if self._ref[b] == 0:
+                if self.key_of[b] is not None:
+                    self.cached[b] = None
+                else:
+                    self._free.append(b)
 
     def free(self, seq: Sequence) -> None:
         self.a.free(seq.rid)

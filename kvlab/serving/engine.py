@@ -21,11 +21,12 @@ from __future__ import annotations
 import math
 import operator
 
-from ..paged_cache import PagedPool
 from ..paged import blocks_for
 from .block_manager import AllocatorBlocks, BlockManager
 from .clock import Clock, Trace
+from .config import EngineConfig
 from .runner import Runner
+from .sampling import SamplingParams
 from .scheduler import Scheduler
 from .sequence import Sequence, Status
 from ..validate import check_context
@@ -47,37 +48,44 @@ def _int(name: str, v, lo: int, hi: int | None = None) -> int:
 class Engine:
     """Serves requests on a paged cache; ``admission``/``batching`` pick the policy (see Scheduler)."""
 
-    def __init__(self, model, num_blocks: int, block_size: int = 16, max_num_batched_tokens: int = 256,
+    def __init__(self, model, num_blocks: int | None = None, block_size: int = 16, max_num_batched_tokens: int = 256,
                  max_num_seqs: int = 16, chunked_prefill: bool = True, admission: str = "on-demand",
                  batching: str = "continuous", prefix_caching: bool = True, max_len: int | None = None,
                  allocator_cls=None, gather=None, clock: Clock | None = None, scheduler_cls=Scheduler,
-                 block_manager_cls=BlockManager):
-        self.model, self.config = model, model.config
-        _int("num_blocks", num_blocks, 1)
-        _int("block_size", block_size, 1)
-        self.blocks = (block_manager_cls(num_blocks, block_size, prefix_caching) if allocator_cls is None
-                       else AllocatorBlocks(allocator_cls, num_blocks, block_size))
-        self.scheduler = scheduler_cls(self.blocks, max_num_batched_tokens, max_num_seqs, chunked_prefill, admission,
-                                   batching, max_len)
-        self.pool = PagedPool.for_model(model, num_blocks, block_size)   # the tensors; its allocator is unused
-        self.runner = Runner(model, self.pool, gather)
-        self.clock, self.trace = clock or Clock(self.pool.keys.device), Trace()
+                 block_manager_cls=BlockManager, running_order: str = "decode-first",
+                 config: EngineConfig | None = None):
+        cfg = config or EngineConfig(num_blocks, block_size, max_num_batched_tokens, max_num_seqs, max_len,
+                                     chunked_prefill, prefix_caching, admission, batching, running_order)
+        self.model, self.config, self.engine_config = model, model.config, cfg   # checked once, above
+        self.blocks = (block_manager_cls(cfg.num_blocks, cfg.block_size, cfg.prefix_caching) if allocator_cls is None
+                       else AllocatorBlocks(allocator_cls, cfg.num_blocks, cfg.block_size))
+        order = {} if cfg.running_order == "decode-first" else {"running_order": cfg.running_order}
+        self.scheduler = scheduler_cls(self.blocks, cfg.max_num_batched_tokens, cfg.max_num_seqs, cfg.chunked_prefill,
+                                       cfg.admission, cfg.batching, cfg.max_len, **order)
+        self.runner = Runner(model, cfg.num_blocks, cfg.block_size, gather)      # owns the pool's tensors
+        self.clock, self.trace = clock or Clock(self.runner.device), Trace()
         self.pending: list[Sequence] = []      # submitted, not yet arrived (by arrival time)
         self.seqs: dict = {}                    # every request ever submitted, by id
         self.prefixes: list[Sequence] = []      # explicit shared prefixes (add_prefix), pinned
         self.split_steps = 0                    # steps whose one forward raised and were rerun per request
 
     # -- requests -------------------------------------------------------------------------------
-    def submit(self, prompt, max_new_tokens: int, eos_token_id=None, rid=None, arrival: float = 0.0) -> Sequence:
-        """Queue a request; refused here (ValueError naming the fix) if it could never be served."""
+    def submit(self, prompt, max_new_tokens: int, eos_token_id=None, rid=None, arrival: float = 0.0,
+               sampling: SamplingParams | None = None) -> Sequence:
+        """Queue a request; refused here (ValueError naming the fix) if it could never be served.
+        ``sampling`` (:class:`SamplingParams`): greedy when None; with ``n > 1`` the other samples are
+        ``seq.children`` (ids ``(rid, 1)``, ...), forked from it once its prompt is computed."""
+        if sampling is not None and not isinstance(sampling, SamplingParams):
+            raise ValueError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
         seq = self._new_sequence(prompt, max_new_tokens, eos_token_id, rid, arrival)
-        why = self.scheduler.never_fits(seq)
+        share = self._shared_prefix(seq)
+        why = self.scheduler.never_fits(seq, len(share.prompt) if share is not None else 0)
         if why:
             raise ValueError(f"request {seq.rid!r} can never be served: {why}")
-        share = self._shared_prefix(seq)
         if share is not None:
             self.blocks.fork(share, seq)        # its first write into a partly filled block copies it
             seq.cached_tokens += seq.num_computed
+        self._sampled(seq, sampling)
         self.seqs[seq.rid] = seq
         self.pending.append(seq)
         self.pending.sort(key=lambda s: s.arrival)
@@ -98,6 +106,31 @@ class Engine:
                 or arrival < 0:
             raise ValueError(f"arrival must be a finite number of seconds >= 0, got {arrival!r}")
         return Sequence(rid, ids, m, eos, float(arrival))
+
+    def _sampled(self, seq: Sequence, sampling: SamplingParams | None) -> None:
+        """Give ``seq`` its sampling parameters and generator, and make its ``n - 1`` sibling samples."""
+        if sampling is None:
+            return
+        seq.sampling, seq.generator = sampling, sampling.generator(0)
+        for i in range(1, sampling.n):
+            child = Sequence((seq.rid, i), seq.prompt, seq.max_new_tokens, seq.eos_token_id, seq.arrival,
+                             sampling=sampling, generator=sampling.generator(i))
+            if child.rid in self.seqs:
+                raise ValueError(f"request id {child.rid!r} is already used: give each request its own id")
+            seq.children.append(child)
+        for child in seq.children:
+            self.seqs[child.rid] = child
+
+    def _fork_children(self, seq: Sequence) -> None:
+        """Its prompt is computed: each sibling sample shares its blocks (copy-on-write) and recomputes
+        only the prompt's last token, whose logits give that sample its own first token."""
+        for child in seq.children:
+            self.blocks.fork(seq, child)
+            child.num_computed = len(seq.prompt) - 1
+            child.status = Status.RUNNING
+            self.scheduler.running.append(child)
+            self.scheduler.reserved += self.scheduler.reservation(child)
+        seq.children = []
 
     def add_prefix(self, tokens) -> Sequence:
         """Prefill ``tokens`` once and pin their blocks; a later prompt that starts with them (and is
@@ -183,6 +216,8 @@ class Engine:
             if tok is not None:
                 seq.append(tok)
                 emitted.append(seq)
+                if seq.children:
+                    self._fork_children(seq)
                 if seq.done:
                     self.scheduler.retire(seq, Status.FINISHED)
         return emitted

@@ -11,6 +11,7 @@ import torch
 from ..batching import cut_at
 from ..gpt2 import generate
 from .engine import Engine
+from .sampling import sample
 from .sequence import Sequence, Status
 
 
@@ -20,6 +21,20 @@ def reference_tokens(model, prompt, max_new_tokens: int, eos_token_id=None) -> l
 
     ids = torch.tensor([list(prompt)], device=model.wte.weight.device)
     return cut_at(generate(model, ids, max_new_tokens)[0, len(prompt):].tolist(), eos_token_id)
+
+
+@torch.no_grad()
+def sampled_reference(model, prompt, max_new_tokens: int, params, offset: int = 0) -> list[int]:
+    """What sample ``offset`` of a request with sampling ``params`` draws alone: the whole text through
+    the model at every step (no cache, chapter 1's loop), the same sampler, its own generator."""
+    ids, gen, out = list(prompt), params.generator(offset), []
+    for _ in range(max_new_tokens):
+        logits = model(torch.tensor([ids], device=model.wte.weight.device), last_only=True)[0, -1]
+        out.append(sample(logits, params, gen))
+        ids.append(out[-1])
+        if out[-1] in params.stop:
+            break
+    return out
 
 
 class References:

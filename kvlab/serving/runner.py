@@ -1,42 +1,50 @@
 """The runner: one scheduled step becomes ONE call of the model's forward (chapter 9).
 
-The step's tokens (decode tokens of some sequences, prompt chunks of others) are laid side by side
-as one ragged batch ``[1, N]``: no padding, each token with its own position in its own sequence.
-The cache handed to the forward is a :class:`RaggedStep`: it writes each token's keys and values into
-its sequence's block, gathers the keys of the step's sequences, and says, per query, which of them it
-may see (``key_pos``: the key's position if it belongs to the query's sequence, ``EMPTY`` otherwise),
-so the one mask rule of the library (``key_pos >= 0`` and ``key_pos <= position``) keeps every token
-inside its own sequence. Logits are read only at the last token of a sequence whose chunk reaches
-its end (the rows that get a new token).
+The runner owns the pool (the keys and values of every block, allocated once, as nano-vllm's
+``allocate_kv_cache`` does); the block manager only says which block holds what. A step's tokens
+(decode tokens of some sequences, prompt chunks of others) are laid side by side as one ragged batch
+``[1, N]``: no padding, each token with its own position in its own sequence. The cache handed to the
+forward is a :class:`RaggedStep`: it writes each token's keys and values into its sequence's block
+and answers with :class:`kvlab.ragged.Segments`, so that in attention each query scores the keys of
+its own sequence only, read from its blocks. Logits are read only at the last token of a sequence
+whose chunk reaches its end (the rows that get a new token).
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..cache import EMPTY, Cache
-from ..paged_cache import PagedPool
+from ..cache import Cache
+from ..configs import kv_dims
+from ..paged import blocks_for, copy_block
+from ..ragged import Segments
+from .sampling import sample
 from .sequence import Sequence
 
 
+def allocate_kv_cache(model, num_blocks: int, block_size: int):
+    """The pool's keys and values, ``[layers, blocks, block_size, heads, head_dim]`` each, in the
+    model's dtype and on its device (allocated up front, like vLLM's). A block's slots come before
+    its heads (vLLM's layout for FlashAttention): the blocks of a sequence, copied side by side, are
+    then its keys in token order, and putting the heads first is a view, not a second copy."""
+    n_layer, n_head, head_dim = kv_dims(model.config)
+    p = next(model.parameters())
+    shape = (n_layer, num_blocks, block_size, n_head, head_dim)
+    return torch.zeros(shape, dtype=p.dtype, device=p.device), torch.zeros(shape, dtype=p.dtype, device=p.device)
+
 
 class RaggedStep(Cache):
-    """The cache the forward sees for one ragged step over a paged pool: one row (``batch_size = 1``)
+    """The cache the forward sees for one ragged step over the pool: one row (``batch_size = 1``)
     whose positions are planned here (each token's position in its own sequence), so the model is
     called with ``positions=None`` and asks :meth:`next_positions`, as for any cache."""
 
     batch_size = 1
 
-    def __init__(self, pool, positions, slots, key_slots, key_pos, spans, gather=None):
-        self.pool, self.gather, self.spans = pool, gather, spans   # spans: (block table, length) per sequence
-        dev = pool.keys.device
-        _, _, self.n_head, _, self.head_dim = pool.keys.shape
-        self.dtype, self.device = pool.keys.dtype, dev
-        self.blocks, self.offsets = (torch.tensor(x, dtype=torch.long, device=dev) for x in zip(*slots))
-        self.key_blocks, self.key_offsets = (torch.tensor(x, dtype=torch.long, device=dev) for x in zip(*key_slots))
-        self.key_pos = key_pos.to(dev)                  # [1, N, S]
-        self.positions = positions.to(dev)              # [1, N]
-        self.n_layer = pool.keys.shape[0]
+    def __init__(self, keys, values, positions, blocks, offsets, segments: Segments):
+        self.pool_keys, self.pool_values, self.segments = keys, values, segments
+        self.n_layer, _, _, self.n_head, self.head_dim = keys.shape
+        self.dtype, self.device = keys.dtype, keys.device
+        self.positions, self.blocks, self.offsets = positions, blocks, offsets
 
     def next_positions(self, batch: int, T: int, device=None):
         if (batch, T) != tuple(self.positions.shape):
@@ -47,18 +55,12 @@ class RaggedStep(Cache):
         """Checked per sequence at submit (prompt + max_new_tokens within the context)."""
 
     def store(self, layer: int, k, v, positions=None):
-        """Store the step's ``k``, ``v`` ``[1, H, N, D]``; return the step's sequences' keys, values
-        ``[1, H, S, D]`` and ``key_pos [1, N, S]``."""
-        K, V = self.pool.keys[layer], self.pool.values[layer]        # [blocks, H, block_size, D]
-        K[self.blocks, :, self.offsets] = k[0].transpose(0, 1)      # one row [H, D] per token
-        V[self.blocks, :, self.offsets] = v[0].transpose(0, 1)
-        if self.gather is None:     # every key of the step's sequences in one indexing op
-            keys = K[self.key_blocks, :, self.key_offsets].transpose(0, 1)[None]
-            values = V[self.key_blocks, :, self.key_offsets].transpose(0, 1)[None]
-        else:                       # a pluggable gather (lab 9's), one sequence at a time
-            keys = torch.cat([self.gather(K, t, n) for t, n in self.spans], dim=1)[None]
-            values = torch.cat([self.gather(V, t, n) for t, n in self.spans], dim=1)[None]
-        return keys, values, self.key_pos
+        """Write the step's ``k``, ``v`` ``[1, H, N, D]`` at their slots; return this layer's pools and
+        the step's :class:`Segments` (the model's attention reads each sequence's keys through it)."""
+        K, V = self.pool_keys[layer], self.pool_values[layer]      # [blocks, block_size, H, D]
+        K[self.blocks, self.offsets] = k[0].transpose(0, 1)       # one row [H, D] per token
+        V[self.blocks, self.offsets] = v[0].transpose(0, 1)
+        return K, V, self.segments
 
     def reset(self):
         raise RuntimeError("a RaggedStep lives for one step; the engine frees blocks, not the forward")
@@ -71,13 +73,15 @@ class RaggedStep(Cache):
 
     @property
     def nbytes(self) -> int:
-        return 0             # it owns no storage: the pool does
+        return 0             # it owns no storage: the runner does
 
 
-def ragged_inputs(work: list[tuple[Sequence, int]], block_size: int):
-    """Token ids, positions, slots, key slots, per-query ``key_pos`` and the logit rows of a step."""
-    ids, pos, qseq, slots, key_slots, kpos, kseq, spans, select = [], [], [], [], [], [], [], [], []
-    for j, (seq, n) in enumerate(work):
+def step_inputs(work: list[tuple[Sequence, int]], block_size: int, device=None, gather=None):
+    """Token ids ``[1, N]``, positions ``[1, N]``, the new tokens' slots (blocks, offsets), the step's
+    :class:`Segments` and the logit rows of a step. Built sequence by sequence from the block tables:
+    the cost grows with the new tokens and the blocks, never with every key of every sequence."""
+    ids, pos, blocks, offsets, select, decode, chunks, col = [], [], [], [], [], {}, [], 0
+    for seq, n in work:
         start, table = seq.num_computed, seq.block_table
         end = start + n
         if n < 1 or end > seq.num_tokens or len(table) * block_size < end:
@@ -85,43 +89,52 @@ def ragged_inputs(work: list[tuple[Sequence, int]], block_size: int):
                              f"{seq.num_tokens} tokens and room for {len(table) * block_size})")
         ids += seq.tokens[start:end]
         pos += range(start, end)
-        qseq += [j] * n
-        slots += [(table[p // block_size], p % block_size) for p in range(start, end)]
-        key_slots += [(table[p // block_size], p % block_size) for p in range(end)]
-        kpos += range(end)
-        kseq += [j] * end
-        spans.append((list(table), end))
-        if end == seq.num_tokens:          # the chunk reaches the newest token: its logits give the next
-            select.append(len(ids) - 1)
-    qs, ks = torch.tensor(qseq), torch.tensor(kseq)
-    key_pos = torch.where(qs[:, None] == ks[None, :], torch.tensor(kpos)[None, :], EMPTY)[None]
-    return torch.tensor([ids]), torch.tensor([pos]), slots, key_slots, key_pos, spans, select
+        blocks += [table[p // block_size] for p in range(start, end)]
+        offsets += [p % block_size for p in range(start, end)]
+        used = table[:blocks_for(end, block_size)]
+        if n == 1:                       # a decode row: grouped with the rows of the same length
+            cols, tables = decode.setdefault(end, ([], []))
+            cols.append(col)
+            tables.append(used)
+        else:
+            chunks.append((col, n, used, start))
+        col += n
+        if end == seq.num_tokens:        # the chunk reaches the newest token: its logits give the next
+            select.append(col - 1)
+    as_long = lambda x: torch.tensor(x, dtype=torch.long, device=device)   # noqa: E731
+    segs = Segments(col, {L: (as_long(c), as_long(t)) for L, (c, t) in decode.items()},
+                    [(s, n, as_long(t), torch.arange(p, p + n)) for s, n, t, p in chunks], gather)
+    return as_long([ids]), as_long([pos]), as_long(blocks), as_long(offsets), segs, select
 
 
 class Runner:
-    """Runs scheduled steps on ``model`` through a paged pool (``keys``/``values``
-    ``[layers, blocks, heads, block_size, head_dim]``)."""
+    """Runs scheduled steps on ``model`` through the pool it owns (``keys``/``values``
+    ``[layers, blocks, block_size, heads, head_dim]``). ``gather`` (lab 9's ``paged_gather``
+    contract, which reads a ``[blocks, heads, block_size, head_dim]`` view of a layer) replaces the
+    batched block gather when given."""
 
-    def __init__(self, model, pool: PagedPool, gather=None):
-        self.model, self.pool, self.gather = model, pool, gather
-        self.device = pool.keys.device
+    def __init__(self, model, num_blocks: int, block_size: int, gather=None):
+        self.model, self.block_size, self.gather = model, block_size, gather
+        self.keys, self.values = allocate_kv_cache(model, num_blocks, block_size)
+        self.device = self.keys.device
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy-on-write: the whole block, every layer, keys and values."""
         for src, dst in copies:
-            self.pool.keys[:, dst] = self.pool.keys[:, src]
-            self.pool.values[:, dst] = self.pool.values[:, src]
+            copy_block(self.keys, self.values, src, dst)
+
+    def prepare(self, work: list[tuple[Sequence, int]]):
+        """The step's inputs and its cache: ``(ids, view, rows)``."""
+        ids, pos, blocks, offsets, segs, select = step_inputs(work, self.block_size, self.device, self.gather)
+        view = RaggedStep(self.keys, self.values, pos, blocks, offsets, segs)
+        return ids, view, torch.tensor(select, dtype=torch.long, device=self.device)
 
     @torch.no_grad()
     def run(self, work: list[tuple[Sequence, int]]) -> list[int | None]:
         """One forward over the step; the new token of each sequence whose chunk ends at its newest
         token (None for a prompt chunk that does not)."""
-        ids, pos, slots, key_slots, key_pos, spans, select = ragged_inputs(work, self.pool.block_size)
-        view = RaggedStep(self.pool, pos, slots, key_slots, key_pos, spans, self.gather)
-        rows = torch.tensor(select, dtype=torch.long, device=self.device)
-        logits = self.model(ids.to(self.device), cache=view, select=rows)    # positions: the view's plan
-        new = logits[0].argmax(-1).tolist()       # the LM head ran only on the rows that get a token
-        out, it = [], iter(new)
-        for seq, n in work:
-            out.append(next(it) if seq.num_computed + n == seq.num_tokens else None)
-        return out
+        ids, view, rows = self.prepare(work)
+        logits = self.model(ids, cache=view, select=rows)    # positions: the view's plan
+        rows_out = iter(logits[0])                # the LM head ran only on the rows that get a token
+        return [sample(next(rows_out), seq.sampling, seq.generator) if seq.num_computed + n == seq.num_tokens
+                else None for seq, n in work]

@@ -1,13 +1,17 @@
 """The scheduler: which sequences run in the next step, and how many of their tokens (chapter 9).
 
 Each step has a budget of ``max_num_batched_tokens`` tokens (vLLM's name) and at most
-``max_num_seqs`` sequences. The scheduler fills it in two passes, as vLLM's does:
+``max_num_seqs`` sequences. The scheduler fills it in two passes:
 
-1. **running** sequences, oldest first: a decoding one needs 1 token; one still in its prompt gets
-   the next chunk of it (chunked prefill: a long prompt runs over several steps while the others keep
-   decoding). Blocks are taken on demand; when the pool is empty, the **newest** running sequence is
-   preempted by recompute: its blocks are freed and it goes back to the front of the queue with every
-   token it has, to be recomputed later (its generated tokens are kept, so it resumes with them).
+1. **running** sequences. ``running_order="decode-first"`` (the default) takes the decoding ones
+   first (1 token each), then prompts still being prefilled get the next chunk of theirs from what
+   is left (chunked prefill: a long prompt runs over several steps while the others keep decoding).
+   That is vLLM V0's chunked-prefill policy; vLLM V1 walks its running list in admission order
+   (``running_order="arrival"`` here), and the two are compared in chapter 9. Blocks are taken on
+   demand; when the pool is empty, the **newest** running sequence is preempted by recompute: its
+   blocks are freed and it goes back to the front of the queue with every token it has, to be
+   recomputed later (its generated tokens are kept, so it resumes with them; the recompute is
+   chunked by the budget even when chunked prefill is off, or a long one could never come back).
 2. **waiting** sequences, first come first served (no overtaking: a request that does not fit blocks
    the ones behind it, so none starves), unless this step had to preempt (memory just ran out): each
    is admitted with its prefix-cache hits and as much of its prompt as the budget leaves.
@@ -19,7 +23,9 @@ Each step has a budget of ``max_num_batched_tokens`` tokens (vLLM's name) and at
 * ``"contiguous"``: ``blocks_for(max_len)`` whatever its length: what a contiguous cache per sequence
   (chapters 3-6's) reserves, counted on the same pool so the memory is equal.
 
-``batching="static"`` admits a new batch only when every sequence of the previous one has finished.
+``batching="static"`` admits a new batch only when every sequence of the previous one has finished;
+the batch is every waiting request that memory (its admission promise) and ``max_num_seqs`` allow,
+admitted over as many steps as the token budget needs to prefill them.
 The scheduler keeps no length of its own: it reads ``seq.num_computed`` and ``seq.num_tokens``.
 """
 
@@ -31,8 +37,7 @@ from dataclasses import dataclass, field
 from ..paged import blocks_for
 from .sequence import Sequence, Status
 
-ADMISSIONS = ("on-demand", "reserve", "contiguous")
-BATCHINGS = ("continuous", "static")
+from .config import ADMISSIONS, BATCHINGS, ORDERS
 
 
 @dataclass
@@ -60,16 +65,19 @@ def _positive_int(name: str, v) -> int:
 class Scheduler:
     def __init__(self, blocks, max_num_batched_tokens: int = 256, max_num_seqs: int = 16,
                  chunked_prefill: bool = True, admission: str = "on-demand", batching: str = "continuous",
-                 max_len: int | None = None):
+                 max_len: int | None = None, running_order: str = "decode-first"):
         self.max_tokens = _positive_int("max_num_batched_tokens", max_num_batched_tokens)
         self.max_seqs = _positive_int("max_num_seqs", max_num_seqs)
         if admission not in ADMISSIONS or batching not in BATCHINGS:
             raise ValueError(f"admission must be one of {ADMISSIONS} and batching one of {BATCHINGS}, got "
                              f"{admission!r}, {batching!r}")
+        if running_order not in ORDERS:
+            raise ValueError(f"running_order must be one of {ORDERS}, got {running_order!r}")
         if admission == "contiguous":
             _positive_int("max_len (the contiguous reservation per sequence)", max_len)
         self.blocks, self.chunked, self.admission, self.batching = blocks, chunked_prefill, admission, batching
-        self.max_len = max_len
+        self.max_len, self.running_order = max_len, running_order
+        self.forming = True                      # static batching: the current batch still takes requests
         self.capacity = blocks.num_blocks        # blocks the sequences may share (less any pinned prefix)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []        # in admission order: the last is the first victim
@@ -82,17 +90,18 @@ class Scheduler:
             return blocks_for(self.max_len, self.blocks.block_size)
         return blocks_for(seq.max_tokens, self.blocks.block_size) if self.admission == "reserve" else 0
 
-    def never_fits(self, seq: Sequence) -> str | None:
-        """Why ``seq`` could never be served here, or None (checked once, at submit)."""
-        need = blocks_for(seq.max_tokens, self.blocks.block_size)
+    def never_fits(self, seq: Sequence, shared: int = 0) -> str | None:
+        """Why ``seq`` could never be served here, or None (checked once, at submit). ``shared``: the
+        tokens it takes from a pinned prefix (whole blocks of them are not counted against the pool)."""
+        need = blocks_for(seq.max_tokens, self.blocks.block_size) - shared // self.blocks.block_size
         if max(need, self.reservation(seq)) > self.capacity:
             return (f"it may hold {seq.max_tokens} tokens = {need} blocks of {self.blocks.block_size} (reserving "
                     f"{self.reservation(seq)}), but the pool can give at most {self.capacity}: add blocks, "
                     "or ask for fewer tokens")
         if self.admission == "contiguous" and seq.max_tokens > self.max_len:
             return f"it may hold {seq.max_tokens} tokens, more than the contiguous max_len={self.max_len}"
-        if not self.chunked and len(seq.prompt) > self.max_tokens:
-            return (f"its {len(seq.prompt)}-token prompt exceeds max_num_batched_tokens={self.max_tokens} and "
+        if not self.chunked and len(seq.prompt) - shared > self.max_tokens:
+            return (f"its {len(seq.prompt) - shared} prompt tokens to compute exceed max_num_batched_tokens={self.max_tokens} and "
                     "chunked prefill is off: raise the budget or turn chunked_prefill on")
         return None
 
@@ -135,9 +144,10 @@ class Scheduler:
         batch.work.append((seq, n))
 
     def _schedule_running(self, batch: Batch) -> None:
-        # decoding sequences first, then prompts still being prefilled: a long prompt never holds
-        # back the others' next token (only the budget left after them goes to its chunk)
-        order = sorted(self.running, key=lambda s: s.to_compute > 1)
+        # decode-first: a long prompt never holds back the others' next token (only the budget left
+        # after them goes to its chunk); arrival: the running list as it is (vLLM V1)
+        order = (sorted(self.running, key=lambda s: s.to_compute > 1) if self.running_order == "decode-first"
+                 else list(self.running))
         for seq in order:
             if seq not in self.running:            # preempted earlier in this pass
                 continue
@@ -154,17 +164,22 @@ class Scheduler:
                 self.grant(batch, seq, n)
 
     def _schedule_waiting(self, batch: Batch) -> None:
-        if batch.preempted or (self.batching == "static" and any(s.output for s in self.running)):
-            return                                 # memory just ran out, or the previous batch is still running
-        while self.waiting and len(self.running) < self.max_seqs and batch.num_tokens < self.max_tokens:
+        if self.batching == "static" and not self.running:
+            self.forming = True                    # the previous batch is done: a new one forms
+        if batch.preempted or (self.batching == "static" and not self.forming):
+            return                                 # memory just ran out, or the batch is closed
+        while self.waiting and len(self.running) < self.max_seqs:
             seq = self.waiting[0]
-            if self.reserved + self.reservation(seq) > self.capacity:
-                return
             start = self.cached_tokens(seq)
             n = min(seq.num_tokens - start, self.max_tokens - batch.num_tokens)
-            if (n < seq.num_tokens - start and not self.chunked) or not self.blocks.can_hold(seq, start + n):
-                return                             # wait: no overtaking
+            if n < 1:
+                return                             # the budget is spent: the batch goes on forming next step
+            if self.reserved + self.reservation(seq) > self.capacity or not self.blocks.can_hold(seq, start + n):
+                break                              # wait: no overtaking
+            if n < seq.num_tokens - start and not self.chunked and not seq.output:
+                return                             # a whole prompt or nothing (a recompute is chunked)
             self.grant(batch, seq, n)
+        self.forming = False                       # memory or max_num_seqs is reached: the batch is closed
 
     def preempt(self, seq: Sequence, batch: Batch | None = None) -> None:
         """Recompute preemption: free its blocks, put it first in the queue with all its tokens."""

@@ -39,6 +39,11 @@ class Sequence:
     error: str | None = None
     preemptions: int = 0                              # times its blocks were taken back (recompute)
     cached_tokens: int = 0                            # prompt tokens found in the prefix cache, all admissions
+    sampling: object = None                           # SamplingParams, or None: greedy
+    generator: object = None                          # its own torch.Generator when it samples
+    children: list = field(default_factory=list)      # samples of the same prompt, forked after its prefill
+    block_keys: list = field(default_factory=list)    # prefix-cache keys of its full blocks, each hashed once
+    committed: int = 0                                # full blocks already offered to the prefix cache
 
     @property
     def tokens(self) -> list[int]:
@@ -60,8 +65,10 @@ class Sequence:
 
     @property
     def done(self) -> bool:
-        return len(self.output) >= self.max_new_tokens or (
-            self.eos_token_id is not None and bool(self.output) and self.output[-1] == self.eos_token_id)
+        if len(self.output) >= self.max_new_tokens:
+            return True
+        last = self.output[-1] if self.output else None
+        return last is not None and (last == self.eos_token_id or (self.sampling is not None and last in self.sampling.stop))
 
     def append(self, token: int) -> None:
         self.output.append(int(token))
@@ -70,5 +77,6 @@ class Sequence:
         """Preempted by recompute: its blocks were freed; every token it has will be computed again."""
         self.block_table = []
         self.num_computed = 0
+        self.committed = 0                 # its new blocks must be offered again (its keys stay valid)
         self.status = Status.WAITING
         self.preemptions += 1

@@ -23,6 +23,8 @@ from .lab08 import (check_hidden_nan, check_no_recompile, check_static_attention
                     check_static_generate)
 from .lab09 import check_block_allocator, check_paged_gather, check_paged_generate
 from .lab09_serving import check_prefix_cache, check_scheduler
+from .lab10 import check_speculative_step, check_speedup_prediction
+from .lab11 import check_gqa_conversion, check_sink_window_cache, check_window_prediction
 
 __all__ = [
     "check_naive_generate",
@@ -56,6 +58,11 @@ __all__ = [
     "check_paged_generate",
     "check_scheduler",
     "check_prefix_cache",
+    "check_speculative_step",
+    "check_speedup_prediction",
+    "check_sink_window_cache",
+    "check_gqa_conversion",
+    "check_window_prediction",
 ]
 
 # Labs 7 on enforce THE RULE by what runs (``_common.LibraryWatch``: see its docstring): per check,

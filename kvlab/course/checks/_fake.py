@@ -36,6 +36,8 @@ class FakeLM(nn.Module):
                 keys, values, key_pos = k, k, positions[:, None, :].expand(B, T, T)
             else:
                 keys, values, key_pos = cache.update(layer, k, k.clone(), positions)   # the one interface
+                if hasattr(key_pos, "dense"):      # a ragged step's segments, as one masked attention sees them
+                    keys, values, key_pos = key_pos.dense(keys, values)
         mask = (key_pos >= 0) & (key_pos <= positions[..., None])            # [B, T, S]
         weight = values[:, 0, :, 0] * (values[:, 0, :, 1] + 1)               # [B, S]
         score = (mask * weight[:, None, :]).sum(-1).round().long()           # [B, T]

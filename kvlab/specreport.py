@@ -1,0 +1,194 @@
+"""Chapter 10's tables, figure and computed sentences, from one :func:`kvlab.specbench.run` result.
+
+Nothing here is typed in advance: whether speculation pays, which draft and which k do best, why
+``V(k)`` is what it is, all come from the run's numbers and name the device they were measured on.
+"""
+
+from __future__ import annotations
+
+from . import plots, verdicts
+from .specbench import expected_tokens, predicted_speedup
+from .tables import show
+
+
+def rows(r: dict) -> list[dict]:
+    """One row per (draft, k): the counts, the component costs, the theory's and the clock's speed-ups."""
+    base, out = r["e2e"]["plain greedy"].median, []
+    for (name, k), a in r["acceptance"].items():
+        alpha, c, v = r["alpha"][name], r["costs"]["c"][name], r["costs"]["V"][k]
+        timed = r["e2e"].get((name, k))
+        out.append({"draft": name, "k": k, "alpha": a["alpha"], "tokens/step": a["tokens_per_step"],
+                    "E(alpha,k)": expected_tokens(alpha, k), "c": c, "V(k)": v,
+                    "V floor": r["v_floor"][k] if r["v_floor"] else float("nan"),
+                    "k*c+V(k)": k * c + v, "predicted": predicted_speedup(alpha, k, c, v),
+                    "measured": base / timed.median if timed else float("nan"),
+                    "step cost (clock)": a["tokens_per_step"] * timed.median / base if timed else float("nan"),
+                    "same tokens": a["same"]})
+    return out
+
+
+def table(r: dict) -> None:
+    formats = {"alpha": ".2f", "tokens/step": ".2f", "E(alpha,k)": ".2f", "c": ".3f", "V(k)": ".2f",
+               "V floor": ".2f", "k*c+V(k)": ".2f", "predicted": ".2f", "measured": ".2f",
+               "step cost (clock)": ".2f"}
+    show(rows(r), formats=formats, caption=(
+        f"{r['label']}; {verdicts.on(r['device'])}. alpha and tokens/step: counts over "
+        f"{r['sizes']['prompts']} held-out prompts x {r['sizes']['new']} new tokens; E(alpha,k) and "
+        "'predicted' use the draft's alpha pooled over every k; 'measured': plain greedy time / "
+        "speculative time, medians of one interleaved run (blank: not timed); 'step cost (clock)': what a "
+        "target step really cost in decode steps (tokens/step x measured time ratio; prefill and the loop's "
+        "own bookkeeping included), beside the parts' k*c + V(k)."))
+
+
+def plot(r: dict, model) -> None:
+    """Predicted speed-up against k for each draft (lines), the measured ones as points."""
+    fig, ax = plots.figure(size=(7, 4))
+    ks = r["sizes"]["ks"]
+    base = r["e2e"]["plain greedy"].median
+    for i, name in enumerate(r["alpha"]):
+        pred = [predicted_speedup(r["alpha"][name], k, r["costs"]["c"][name], r["costs"]["V"][k]) for k in ks]
+        ax.plot(ks, pred, "-", color=f"C{i}", label=f"{name}: theory")
+        timed = [(k, base / r["e2e"][name, k].median) for k in ks if (name, k) in r["e2e"]]
+        ax.plot([k for k, _ in timed], [s for _, s in timed], "o", color=f"C{i}", ms=7)
+    ax.axhline(1.0, color="0.4", lw=1, ls="--")
+    ax.set(xlabel="k (tokens drafted per target step)", ylabel="speed-up over plain greedy",
+           title="Speculative decoding: theory (lines) and clock (points)")
+    plots.finish(fig, model, r["device"], legend=[ax])
+
+
+def pays_sentences(r: dict) -> list[str]:
+    """Per draft, at the k the theory picked: faster or slower than plain greedy, or not told apart."""
+    out = []
+    for name, k in r["picks"].items():
+        if (name, k) in r["e2e"]:
+            out.append(verdicts.faster(r["e2e"][name, k], r["e2e"]["plain greedy"], r["device"],
+                                       f"speculation with {name} (k={k})", "plain greedy decoding"))
+    return out
+
+
+def why_sentences(r: dict) -> list[str]:
+    """The theory's account of each draft at its best k: what a step costs against what it yields."""
+    out = []
+    for name, k in r["picks"].items():
+        a, c, v = r["alpha"][name], r["costs"]["c"][name], r["costs"]["V"][k]
+        e, cost = expected_tokens(a, k), k * c + v
+        verdict = "pays" if e > cost * (1 + verdicts.NOISE) else ("does not pay" if e * (1 + verdicts.NOISE) < cost
+                                                                   else "is about even")
+        out.append(f"{name}, k={k}: a step yields E = {e:.2f} tokens (alpha {a:.2f}) and costs k*c + V(k) = "
+                   f"{k} x {c:.3f} + {v:.2f} = {cost:.2f} decode steps, so in theory it {verdict} "
+                   f"(predicted speed-up {e / cost:.2f}x), {verdicts.on(r['device'])}")
+    return out
+
+
+def best_k_sentences(r: dict) -> list[str]:
+    """The theory's best k beside the clock's best among the k that were timed."""
+    out, base = [], r["e2e"]["plain greedy"].median
+    for name, k in r["picks"].items():
+        timed = {key[1]: base / t.median for key, t in r["e2e"].items() if key[0] == name}
+        clock = max(timed, key=timed.get)
+        agree = "the same k" if clock == k else f"k={clock} ({timed[clock]:.2f}x)"
+        out.append(f"{name}: the theory picks k={k} (predicted {predicted_speedup(r['alpha'][name], k, r['costs']['c'][name], r['costs']['V'][k]):.2f}x); "
+                   f"of the k timed, the clock's best is {agree} {verdicts.on(r['device'])}")
+    return out
+
+
+def floor_sentences(r: dict, machine: dict) -> list[str]:
+    """Why V(k) is what it is: chapter 7's floor of the verify pass against the clock, and the LM head
+    alone at 1 and k+1 rows (the same bytes, so the floor is the same) to show where the time goes."""
+    if not r["v_floor"]:
+        return []
+    k, t, dev = max(r["sizes"]["ks"]), r["costs"]["timings"], r["device"]
+    v, vf = r["costs"]["V"][k], r["v_floor"][k]
+    head = r["target"].wte.weight
+    h1, hk = t["head 1"].median, t[f"head {k + 1}"].median
+    floor = head.numel() * head.element_size() / machine["bandwidth"]
+    rate = 2 * (k + 1) * head.numel() / hk
+    free = v <= vf * (1 + verdicts.NOISE)
+    return [f"chapter 7's floor puts V({k}) at {vf:.2f}: the weights are read once for all {k + 1} rows "
+            f"(bandwidth {machine['bandwidth'] / 1e9:.1f} GB/s measured); the clock says {v:.2f}, so extra rows "
+            + ("ride along almost free, as on an accelerator" if free else "are not free") + f" {verdicts.on(dev)}",
+            f"the LM head alone ({head.numel() * head.element_size() / 1e6:.1f} MB of weights, memory floor "
+            f"{floor * 1e3:.2f} ms for any number of rows): {h1 * 1e3:.2f} ms for 1 row, {hk * 1e3:.2f} ms for "
+            f"{k + 1} rows ({hk / h1:.2f}x), the {k + 1}-row product at {rate / 1e9:.1f} GFLOP/s (the probe: "
+            f"{machine['flops'] / 1e9:.0f} GFLOP/s on large matrices) {verdicts.on(dev)}" + head_reason(h1, hk, floor, dev)]
+
+
+def head_reason(h1: float, hk: float, floor: float, device="cpu") -> str:
+    """What the LM head's timings say about the floor: weights served from the CPU's cache (faster
+    than the memory floor), rows that cost time of their own, or rows that ride along."""
+    from .probes import cpu_cache_bytes
+
+    cpu = str(device).startswith("cpu")
+    cache = f"the CPU's own cache ({cpu_cache_bytes() / 2**20:.0f} MiB here)" if cpu and cpu_cache_bytes() else "on-chip cache"
+    where = (f"; one row ran {floor / h1:.1f}x faster than reading the head from memory allows: these weights "
+             f"are served from {cache}, so the memory floor does not bind and the step's arithmetic and "
+             "overheads do" if h1 < floor / (1 + verdicts.NOISE) else "")
+    rows = ("; each extra row adds time of its own" if hk > h1 * (1 + verdicts.NOISE)
+            else "; extra rows ride along at no measurable cost")
+    return where + rows
+
+
+def bytes_sentences(r: dict) -> list[str]:
+    """What each model draft reads per token, against the target, and how much of it is the head."""
+    out = []
+    for name, b in r["bytes"].items():
+        if b["share"]:
+            out.append(f"{name} reads {b['share']:.0%} of the target's weight bytes per token; "
+                       f"{b['head_share']:.0%} of its own is the token embedding / LM head it shares the "
+                       "vocabulary through")
+    return out
+
+
+def hf_sentences(r: dict) -> list[str]:
+    h, k = r["hf"], r["k_hf"]
+    t = h["timings"]
+    same = "the same tokens" if all(h["same"].values()) else f"NOT the same tokens: {h['same']}"
+    return [f"transformers' own generate gives {same} with assistant_model and with prompt lookup (k={k})",
+            verdicts.faster(t["transformers assistant_model"], t["transformers greedy"], r["device"],
+                            "transformers with assistant_model", "its plain greedy generate"),
+            verdicts.faster(t["transformers prompt lookup"], t["transformers greedy"], r["device"],
+                            "transformers with prompt_lookup_num_tokens", "its plain greedy generate")]
+
+
+def closing_rows(r: dict) -> list[dict]:
+    """Per draft, at its picked k: the closing note's numbers."""
+    base, out = r["e2e"]["plain greedy"].median, []
+    for name, k in r["picks"].items():
+        a, c, v = r["alpha"][name], r["costs"]["c"][name], r["costs"]["V"][k]
+        out.append({"draft": name, "k": k, "alpha": a, "tokens/step": r["acceptance"][name, k]["tokens_per_step"],
+                    "c": c, "V(k)": v, "predicted": predicted_speedup(a, k, c, v),
+                    "measured": base / r["e2e"][name, k].median})
+    return out
+
+
+def step_trace(model, ids, new_tokens: int, draft, k: int, tok) -> list[dict]:
+    """Each target step of one run: what was drafted, what the target chose, what was kept."""
+    from .speculative import speculative_generate, verify
+
+    trace = []
+
+    def watched(m, cache, tokens, drafted):
+        before = cache.seq_len
+        new = verify(m, cache, tokens, drafted)
+        trace.append({"cache before": before, "drafted": tok.decode(drafted) if drafted else "",
+                      "accepted": len(new) - 1, "bonus": tok.decode(new[-1:]), "cache after": cache.seq_len})
+        return new
+    speculative_generate(model, ids, new_tokens, draft, k, step=watched)
+    return trace
+
+
+def summary_sentence(r: dict) -> str:
+    """Where speculation paid, where it did not, and where the clock could not tell, at each draft's
+    picked k, with the part of the step that costs most when it did not pay."""
+    won, lost, even = [], [], []
+    for name, k in r["picks"].items():
+        c = verdicts.compare_timings(r["e2e"][name, k], r["e2e"]["plain greedy"])
+        label = f"{name} (k={k}, {1 / c.ratio:.2f}x)"
+        (even if not c.apart else won if c.ratio < 1 else lost).append(label)
+        if c.apart and c.ratio > 1:
+            draft, verify = k * r["costs"]["c"][name], r["costs"]["V"][k]
+            lost[-1] += (f": a step's drafting ({draft:.2f} decode steps) and verifying ({verify:.2f}) cost more "
+                         f"than the {expected_tokens(r['alpha'][name], k):.2f} tokens it yields")
+    parts = [f"paid: {', '.join(won) or 'none'}", f"did not pay: {'; '.join(lost) or 'none'}",
+             f"not told apart from plain greedy: {', '.join(even) or 'none'}"]
+    return f"{verdicts.on(r['device'])}, against plain greedy decoding, speculation " + "; ".join(parts)
