@@ -539,3 +539,15 @@ def test_each_exercise_is_graded_on_its_own(capsys):
     assert "the right decode_step_bytes stood in" in out
     assert "the right decode_step_bytes and step_time_floor stood in" in out
     assert globals()["decode_step_bytes"].__module__ == __name__          # put back
+
+
+def _off_by_one_once(model, B, S, bw, fl):
+    """Right everywhere but one case (kvlab-tiny at 50 positions), one too large there: one case names no
+    mistake, so the message must show the times at both batches."""
+    bound, crit = closed_form(model, B, S, bw, fl)
+    return bound, crit + 1 if S == 50 and B == 24 else crit
+
+
+def test_an_unexplained_critical_batch_shows_the_times_at_both_batches():
+    msg = expect_rejected(check_bound_and_critical, _off_by_one_once, "strictly greater")
+    assert msg.count("the FLOPs take") == 2 and "memory-bound" in msg and "compute-bound" in msg

@@ -568,7 +568,15 @@ def _crit_message(cases, crits):
     if got is None:
         return (f"{where}: a batch of {c['crit']} is compute-bound here; None is only for contexts where "
                 "each row's own bytes take longer than its FLOPs")
-    return where + ": both counts are linear in the batch; solve compute time > memory time for it"
+    below = [c["crit"] - 1] if c["crit"] > 1 else []
+    return where + ": " + "; ".join(_times_at(c, b) for b in below + [c["crit"]]) + ". The critical batch is the smallest " \
+        "batch whose compute time is strictly greater than its memory time"
+
+
+def _times_at(c, batch) -> str:
+    t = roofline.step_terms(c["model"], batch, c["S"], c["bw"], c["fl"])
+    return (f"at batch {batch} the FLOPs take {t['compute']:.6g} s and the bytes {t['memory']:.6g} s "
+            f"({'compute' if t['compute'] > t['memory'] else 'memory'}-bound)")
 
 
 def _grade_crit(bound_and_critical) -> None:
