@@ -99,11 +99,14 @@ def _chart_png(r: dict, title: str) -> bytes:
 
     from matplotlib.figure import Figure
 
+    from .provenance import readable
+
     fig = Figure(figsize=(5, 3))
     plot_calculator(r, fig.add_subplot(), title=title)
+    readable(fig)
     fig.tight_layout()
     buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=90)
+    fig.savefig(buf, format="png", dpi=110, bbox_inches="tight")   # the legend sits right of the axes
     return buf.getvalue()
 
 

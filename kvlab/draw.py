@@ -20,6 +20,8 @@ import torch
 from matplotlib.figure import Figure
 from matplotlib.patches import FancyArrowPatch, Rectangle
 
+from .provenance import readable
+
 # one colour per role, the same in every diagram
 PAST, NEW, EMPTY, PAD, SEEN, HIDDEN = "#b8cde0", "#e8893a", "#f4f4f4", "#d9d9d9", "#4c78a8", "#f4f4f4"
 
@@ -33,6 +35,7 @@ class Drawing:
     caption: str = ""
 
     def png(self, dpi: int = 110) -> bytes:
+        readable(self.figure)          # no text under the book's minimum size (kvlab.provenance)
         buf = io.BytesIO()
         self.figure.savefig(buf, format="png", dpi=dpi, bbox_inches="tight")
         return buf.getvalue()
@@ -327,3 +330,34 @@ def roofline(peak_flops: float, bandwidth: float, points: dict, what: str = "") 
     return Drawing(fig, alt, "Left of the ridge a kernel waits for memory; right of it, for arithmetic.")
 
 
+
+
+def step_bytes(model, batch: int, seq_lens) -> Drawing:
+    """What one decode step of ``model`` reads, per context length: the layers' weights, the LM head,
+    the rows of the look-up tables and the cached keys and values, all counted by :mod:`kvlab.roofline`
+    on the live model (the bytes chapter 7's floor divides by the bandwidth)."""
+    from . import roofline as rf
+
+    head = rf.lm_head(model)
+    head_b = head.numel() * head.element_size()
+    rows_b = rf.weight_read_bytes(model, batch) - (rf.weight_bytes(model) - rf.lookup_bytes(model))
+    layers_b = rf.weight_bytes(model) - rf.lookup_bytes(model) - head_b
+    parts = [("layers' weights", layers_b, PAST), ("LM head", head_b, SEEN), ("look-up rows", rows_b, PAD)]
+    fig, (ax,) = canvas(7.0, 0.55 * len(seq_lens) + 1.3)
+    for i, s in enumerate(seq_lens):
+        left = 0
+        for name, b, colour in parts + [("KV cache", rf.cache_read_bytes(model, batch, s), NEW)]:
+            ax.barh(i, b / 1e6, left=left / 1e6, color=colour, label=name if i == 0 else None, edgecolor="white")
+            left += b
+        ax.text(left / 1e6, i, f" {left / 1e6:,.1f} MB", va="center", fontsize=8)
+    ax.set_yticks(range(len(seq_lens)), [f"{s:,} cached" for s in seq_lens])
+    ax.invert_yaxis()
+    ax.set_xlim(0, ax.get_xlim()[1] * 1.15)
+    ax.set(xlabel=f"MB one decode step reads (batch {batch})")
+    fig.legend(loc="outside lower center", ncol=4, fontsize=8, frameon=False)
+    total = [rf.decode_step_bytes(model, batch, s) for s in seq_lens]
+    alt = (f"One decode step of {getattr(model, 'kvlab_name', 'the model')} at batch {batch} reads "
+           f"{(layers_b + head_b) / 1e6:,.1f} MB of weights whatever the context, plus the cache: "
+           + "; ".join(f"{s} cached positions: {t / 1e6:,.1f} MB in all" for s, t in zip(seq_lens, total)) + ".")
+    return Drawing(fig, alt, "The bytes a decode step must read: every weight once, the rows it looks up, "
+                             "and every cached key and value; the cache's share grows with the context.")

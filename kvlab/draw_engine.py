@@ -8,20 +8,30 @@ from matplotlib.patches import FancyArrowPatch, Rectangle
 from .draw import EMPTY, NEW, PAD, PAST, SEEN, Drawing, canvas, grid
 
 
-def static_buffer(max_len: int, position: int, batch: int = 1, name: str = "static cache") -> Drawing:
+def static_buffer(max_len: int, position: int, batch: int = 1, name: str = "static cache",
+                  prefill: int | None = None) -> Drawing:
     """A static cache's buffer of ``max_len`` slots (e.g. ``cache.max_len``) and its position pointer
-    (``int(cache.position)``): slots before it hold tokens, the rest are allocated and unused."""
-    fig, (ax,) = canvas(min(0.3 * max_len + 1.5, 7.5), 0.45 * batch + 1.1)
-    grid(ax, [[PAST if p < position else EMPTY for p in range(max_len)] for _ in range(batch)])
+    (``int(cache.position)``): slots before it hold tokens, the rest are allocated and unused. With
+    ``prefill``, the slots the prefill wrote and those each decode step wrote get their own colours."""
+    fig, (ax,) = canvas(min(0.3 * max_len + 1.5, 7.5), 0.45 * batch + 1.1 + (0.4 if prefill else 0))
+    first = position if prefill is None else prefill
+    grid(ax, [[PAST if p < first else NEW if p < position else EMPTY for p in range(max_len)] for _ in range(batch)])
     for b in range(batch):
         ax.add_patch(Rectangle((0, b), max_len, 1, fill=False, edgecolor="0.4", lw=0.6))
     ax.annotate("position", (position, batch), xytext=(position, batch + 0.9), ha="center", fontsize=8,
                 arrowprops=dict(arrowstyle="-|>", lw=0.8))
     ax.set_ylim(0, batch + 1.3)
     ax.set_xlabel(f"slot (0 .. {max_len - 1}); the next token is written at slot {position}", fontsize=8)
+    split = ""
+    if prefill is not None:
+        ax.legend(handles=[Rectangle((0, 0), 1, 1, color=PAST), Rectangle((0, 0), 1, 1, color=NEW)],
+                  labels=[f"written by the prefill ({prefill} tokens)",
+                          f"written by {position - prefill} decode step{'s' * (position - prefill != 1)}, one slot each"],
+                  loc="upper center", bbox_to_anchor=(0.5, -0.35), ncol=2, fontsize=8, frameon=False)
+        split = f" The prefill wrote slots 0 to {prefill - 1}; decode steps wrote {prefill} to {position - 1}, one each."
     alt = (f"A {name} buffer of {max_len} slots per row, allocated once; {position} are filled and "
            f"the position pointer is at slot {position}, where the next key and value will be written. "
-           f"The other {max_len - position} slots hold nothing yet, and no query attends to them.")
+           f"The other {max_len - position} slots hold nothing yet, and no query attends to them.{split}")
     return Drawing(fig, alt, f"A {name}: one buffer allocated once, written in place at one moving position.")
 
 
@@ -81,9 +91,10 @@ def block_tables(blocks, seqs, copies=(), title: str = "") -> Drawing:
     ax.set(xlim=(-0.2, n + 0.1), ylim=(-1.2 if copies else -0.1, 1.7 + rows * 1.1))
     ax.set_title(title or f"block tables into a pool of {n} blocks of {blocks.block_size} tokens", fontsize=9)
     ax.axis("off")
-    return Drawing(fig, _tables_alt(blocks, tables, pool, copies),
-                   "Block tables point into one pool; a block held by several tables is counted, and the "
-                   "first write into a shared, partly filled block copies it first (red arrows).")
+    caption = "Block tables point into one pool; a block held by several tables is counted"
+    caption += (", and the first write into a shared, partly filled block copied it first (red arrows)."
+                if copies else "; no block was copied at this moment.")
+    return Drawing(fig, _tables_alt(blocks, tables, pool, copies), caption)
 
 
 def _pool_legend(fig, pool, copies) -> None:
@@ -99,7 +110,7 @@ def _pool_legend(fig, pool, copies) -> None:
     if copies:
         handles.append(FancyArrowPatch((0, 0), (1, 0), color="crimson"))
         labels.append("copy-on-write")
-    fig.legend(handles, labels, loc="outside lower center", ncol=min(len(handles), 3), fontsize=7, frameon=False)
+    fig.legend(handles, labels, loc="outside lower center", ncol=min(len(handles), 2), fontsize=8, frameon=False)
 
 
 def _tables_alt(blocks, tables, pool, copies) -> str:
@@ -145,7 +156,8 @@ def timeline(source, title: str = "") -> Drawing:
     if any(s[5] for s in spans):
         handles.append(Rectangle((0, 0), 1, 1, facecolor=SEEN, hatch="//", edgecolor="white"))
         labels.append("preempted at least once")
-    fig.legend(handles, labels, loc="outside lower center", ncol=len(handles), fontsize=7, frameon=False)
+    # two entries a row: three long ones side by side are wider than the figure and push its x label out
+    fig.legend(handles, labels, loc="outside lower center", ncol=min(len(handles), 2), fontsize=8, frameon=False)
     ttft = sorted(s[2] - s[1] for s in spans)
     pre = sum(1 for s in spans if s[5])
     alt = (f"Timeline of {len(spans)} requests over {max(s[3] for s in spans):.3g} s: each bar runs from "

@@ -10,7 +10,7 @@ from __future__ import annotations
 import matplotlib.pyplot as plt
 from matplotlib.ticker import PercentFormatter
 
-from .provenance import stamp_figure
+from .provenance import MIN_FONT, readable, stamp_figure
 
 
 def figure(ncols: int = 1, nrows: int = 1, size=(7, 4), **kw):
@@ -18,10 +18,12 @@ def figure(ncols: int = 1, nrows: int = 1, size=(7, 4), **kw):
     return plt.subplots(nrows, ncols, figsize=size, **kw)
 
 
-def finish(fig, model, device, legend=(), fontsize: int = 8, show: bool = True) -> None:
-    """Legends on the axes in ``legend``, tight layout, the provenance stamp, then render."""
+def finish(fig, model, device, legend=(), fontsize: float = MIN_FONT, show: bool = True) -> None:
+    """Legends on the axes in ``legend``, text at reading size, tight layout, the provenance stamp,
+    then render."""
     for ax in legend:
-        ax.legend(fontsize=fontsize)
+        ax.legend(fontsize=max(fontsize, MIN_FONT))
+    readable(fig)
     fig.tight_layout()
     stamp_figure(fig, model, device)
     if show:
@@ -75,6 +77,7 @@ def bars_against_floor(ax, rows: list[dict], group_key, variant_key: str, varian
     for i, g in enumerate(groups):
         floor = next(r["floor_per_token"] for r in rows if group_key(r) == g)
         ax.hlines(floor * 1e3, i - 0.45, i + 0.45, color="k", lw=2, label="floor" if i == 0 else None)
-    ax.set_xticks(range(len(groups)), [group_label(g) for g in groups], fontsize=8)
+    ax.set_xticks(range(len(groups)), [group_label(g) for g in groups], fontsize=MIN_FONT)
     ax.set(yscale="log", ylabel="ms per token (log)", title=title)
-    ax.legend(fontsize=7)
+    # beside the axes, not over the bars: the tallest bars reach the top-right corner
+    ax.legend(fontsize=MIN_FONT, loc="upper left", bbox_to_anchor=(1.01, 1), frameon=False)

@@ -78,7 +78,46 @@ def stamp(model, device=None) -> str:
             f"torch {torch.__version__}, transformers {transformers.__version__}")
 
 
+#: The smallest font, in points, a reader meets in a figure shown at most ``COLUMN_IN`` inches wide
+#: (the page's column). A wider figure is scaled down on the page, so its text needs more points.
+MIN_FONT = 8.0
+COLUMN_IN = 8.0
+
+
+def min_font(fig) -> float:
+    """The least font size (points) any text of ``fig`` may have: :data:`MIN_FONT`, scaled up by how
+    much wider than the page's column the figure is (the page shrinks it to fit)."""
+    return MIN_FONT * max(1.0, fig.get_figwidth() / COLUMN_IN)
+
+
+def small_texts(fig) -> list[tuple[str, float]]:
+    """Every visible, non-empty text of ``fig`` (labels, ticks, legends, annotations, the stamp) set
+    smaller than :func:`min_font`, as ``(text, size)``: what a test or :func:`readable` looks at."""
+    from matplotlib.text import Text
+
+    least = min_font(fig) - 1e-6
+    return [(t.get_text(), t.get_fontsize()) for t in fig.findobj(Text)
+            if t.get_visible() and t.get_text().strip() and t.get_fontsize() < least]
+
+
+def readable(fig):
+    """Raise every text of ``fig`` smaller than :func:`min_font` to it (returns ``fig``). Called on
+    every figure the book shows (:func:`stamp_figure`, ``kvlab.draw.Drawing``), so a label set at 6
+    points in some helper cannot reach the page unreadable."""
+    from matplotlib.text import Text
+
+    least = min_font(fig)
+    for t in fig.findobj(Text):
+        if t.get_fontsize() < least:
+            t.set_fontsize(least)
+    return fig
+
+
 def stamp_figure(fig, model, device=None) -> None:
-    """Write :func:`stamp` along the bottom of a matplotlib figure."""
-    fig.text(0.005, 0.005, stamp(model, device), fontsize=7, color="0.35", ha="left", va="bottom")
-    fig.subplots_adjust(bottom=max(fig.subplotpars.bottom, 0.17))
+    """Write :func:`stamp` along the bottom of a matplotlib figure, and make all its text
+    :func:`readable`."""
+    fig.text(0.005, 0.005, stamp(model, device), fontsize=MIN_FONT, color="0.35", ha="left", va="bottom")
+    readable(fig)
+    # room for the stamp under what is already laid out (tick labels, x label), at its own size
+    room = 2.0 * min_font(fig) / 72 / fig.get_figheight()
+    fig.subplots_adjust(bottom=min(max(fig.subplotpars.bottom + room, 0.17), 0.45))

@@ -26,7 +26,7 @@ from .paged import BlockAllocator, blocks_for
 from .roofline import forward_floor
 from .serving import BlockManager, Engine, Runner, Sequence, Status
 from .timing import Timing, compare
-from .verdicts import NOISE, on, told_apart
+from .verdicts import compare_timings, on, relation
 
 # ---------------------------------------------------------------------------------------------------
 # Workloads and the reference
@@ -335,8 +335,9 @@ def slo_goodput(rows: list[dict], policy: str, attainment: float = 0.9) -> float
 
 
 def best_of(samples: dict[str, list[float]], what: str, device, lower_is_better: bool = True) -> str:
-    """Which variant is best on a measured quantity, if the noise test tells it from the runner-up
-    (:func:`kvlab.verdicts.told_apart` on the per-round values), as a sentence."""
+    """Which variant is best on a measured quantity, by how much (the ratio of medians leads), and
+    whether it was better in every round, in the median only, or not at all (the verdict words of
+    :mod:`kvlab.verdicts`), as a sentence."""
 
     ranked = sorted(samples, key=lambda k: percentile(samples[k], 0.5), reverse=not lower_is_better)
     best, second = ranked[:2]
@@ -345,23 +346,23 @@ def best_of(samples: dict[str, list[float]], what: str, device, lower_is_better:
     n, where = min(len(a.samples), len(b.samples)), on(device)
     if math.isinf(a.median):
         return f"{what}: none of {', '.join(ranked)} had any ({n} round(s) {where})"
-    if not told_apart(a, b):
-        ratio = "the runner-up had none in most rounds" if math.isinf(b.median) else f"ratio {b.median / a.median:.2f}"
-        return (f"{what}: {best} and {second} were not told apart ({ratio}; within {NOISE:.0%} or overlapping "
-                f"over {n} round(s) {where})")
     if math.isinf(b.median):
-        return f"{what}: {best} is best; {second}, the runner-up, had none ({n} round(s) {where})"
-    return f"{what}: {best} is best, {b.median / a.median:.2f}x better than {second} ({n} round(s) {where})"
+        return f"{what}: {best} is best; {second}, the runner-up, had none in most rounds ({n} round(s) {where})"
+    c = compare_timings(a, b)
+    if c.verdict == "none":
+        return (f"{what}: {best} and {second}, ratio {b.median / a.median:.2f}: {relation(c, best, second)}; "
+                f"{n} round{'s' * (n != 1)} {where}")
+    return f"{what}: {best} {b.median / a.median:.2f}x better than {second}, {relation(c, best, second, 'better')} {where}"
 
 
 def plot_latency_throughput(rows: list[dict], ax, latency: str = "e2e_p90") -> None:
     """Latency against throughput, one line per policy, one point per arrival rate (labelled)."""
-    for p in dict.fromkeys(r["policy"] for r in rows):
+    for k, p in enumerate(dict.fromkeys(r["policy"] for r in rows)):
         pts = sorted((r for r in rows if r["policy"] == p), key=lambda r: r["rate"])
-        ax.plot([r["tokens_per_s"] for r in pts], [r[latency] for r in pts], "o-", label=p)
-        for r in pts:
-            ax.annotate(f"{r['rate']:.2g}/s", (r["tokens_per_s"], r[latency]), fontsize=7,
-                        textcoords="offset points", xytext=(3, 3))
+        line, = ax.plot([r["tokens_per_s"] for r in pts], [r[latency] for r in pts], "o-", label=p)
+        for r in pts:   # policies alternate above and below their points: two labels at one rate stay apart
+            ax.annotate(f"{r['rate']:.2g}/s", (r["tokens_per_s"], r[latency]), fontsize=8, color=line.get_color(),
+                        textcoords="offset points", xytext=(4, 4) if k % 2 == 0 else (4, -12))
     ax.set(xlabel="throughput (output tokens/s)", ylabel=f"{latency.replace('_', ' ')} latency (s)",
            yscale="log", title="Latency against throughput, one point per arrival rate")
     ax.legend()

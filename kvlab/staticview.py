@@ -43,13 +43,12 @@ def fastest_sentence(rows, model) -> str:
     base = row(mine, model, G.TRANSFORMERS)
     where = f"{best['threads']} thread{'s' * (best['threads'] > 1)}, {best['device']}"
     rival = min((r for r in mine if r is not best), key=lambda r: r["per_token"])
-    told = verdicts.told_apart(best["timing"], rival["timing"])
-    lead = (f"the fastest is '{best['generator']}'" if told else
-            f"'{best['generator']}' and '{rival['generator']}' are the two fastest, not told apart by "
-            f"the noise test (kvlab.verdicts), with '{best['generator']}' the lower median")
-    return (f"On {model} ({where}) {lead}: {best['per_token'] * 1e3:.3f} ms per token, "
-            f"{base['per_token'] / best['per_token']:.2f}x transformers' eager generate and "
-            f"{best['ratio']:.2f}x the floor.")
+    c = verdicts.compare_timings(best["timing"], rival["timing"])
+    return (f"On {model} ({where}) the lowest median time per token is that of '{best['generator']}': "
+            f"{best['per_token'] * 1e3:.3f} ms per token, {base['per_token'] / best['per_token']:.2f}x transformers' "
+            f"eager generate and {best['ratio']:.2f}x the floor; the runner-up, '{rival['generator']}', takes "
+            f"{rival['per_token'] / best['per_token']:.2f}x as long: "
+            + verdicts.relation(c, f"'{best['generator']}'", f"'{rival['generator']}'") + ".")
 
 
 def compile_sentence(rows, model) -> str:
@@ -132,14 +131,13 @@ def breakdown_sentence(parts: list[dict]) -> str:
                 f"the compiled step ({why}), so its {b['wall'] * 1e3:.3f} ms are not split into parts here.")
     first, second = sorted(parts, key=lambda b: -b["excess"].median)[:2]
     b, nxt = first, second["excess"].median
-    told = nxt <= 0 < b["excess"].median or verdicts.told_apart(first["excess"], second["excess"])
+    c = verdicts.compare_timings(first["excess"], second["excess"]) if nxt > 0 else None
+    then = (f"the next, {second['part']}, is {nxt * 1e3:.3f} ms above its own" if c is None or c.verdict != "none"
+            else f"the next, {second['part']}, {nxt * 1e3:.3f} ms above its own, is as far: "
+                 + verdicts.relation(c, b["part"], second["part"]))
     return (f"On {b['model']} ({b['where']}), the part of the profiled compiled step farthest above its floor "
             f"is {b['part']}: {b['seconds'] * 1e3:.3f} ms against a floor of {b['floor'] * 1e3:.4f} ms, "
-            f"{b['excess'].median * 1e3:.3f} ms of the {sum(x['excess'].median for x in parts) * 1e3:.3f} ms "
-            f"the three parts spend above theirs; "
-            + (f"the next, {second['part']}, is {nxt * 1e3:.3f} ms above its own." if told else
-               f"{second['part']} ({nxt * 1e3:.3f} ms above its floor) is not told apart from it by the "
-               "noise test (kvlab.verdicts)."))
+            f"{verdicts.share(b['excess'].median, [x['excess'].median for x in parts], label=' above it')}; {then}.")
 
 
 def profiler_sentence(parts: list[dict]) -> str:
@@ -149,9 +147,11 @@ def profiler_sentence(parts: list[dict]) -> str:
     cost = b["wall"] - b["unprofiled"]
     gen = ("on a GPU, the device time of inductor's Triton kernels" if b["device"] == "cuda" else
            "inside inductor's generated code (its fused C++ kernels and the Python that calls them)")
-    paid = (f"so about {cost * 1e3:.3f} ms of 'everything else' is the profiler's own cost"
-            if cost > 0 and verdicts.told_apart(b["wall_timing"], b["unprofiled_timing"]) else
-            "not told apart by the noise test (kvlab.verdicts): the profiler's own cost is within this "
-            "run's noise")
+    c = verdicts.compare_timings(b["wall_timing"], b["unprofiled_timing"])
+    paid = (f"so about {cost * 1e3:.3f} ms of 'everything else' is the profiler's own cost "
+            f"({verdicts.relation(c, 'the unprofiled step', 'the profiled one', 'faster')})"
+            if cost > 0 and c.verdict != "none" else
+            f"{verdicts.relation(c, 'the unprofiled step', 'the profiled one')}: the profiler's own cost is "
+            "within this run's noise")
     return (f"{b['model']}: the profiled step took {b['wall'] * 1e3:.3f} ms, the same steps without the "
             f"profiler {b['unprofiled'] * 1e3:.3f} ms, {paid}; {b['fused'] * 1e3:.3f} ms of the step ran {gen}.")

@@ -33,6 +33,16 @@ def _cell(value, fmt) -> str:
     return str(value)
 
 
+_JOINT = re.compile(r"(?<=\w{3})([/_])(?=\w{3})")
+
+
+def _breakable(text: str) -> str:
+    """``text`` escaped for HTML, with a line-break opportunity (``<wbr>``) after a slash or an
+    underscore joining two words ("measured/floor", "e2e_p90"): a header may wrap there, never inside
+    a word (the page's CSS forbids that)."""
+    return _JOINT.sub(r"\1<wbr>", html.escape(text))
+
+
 @dataclass
 class Table:
     """Rows of text cells under a header; its repr is the notebook's (HTML) or the console's (text)."""
@@ -46,7 +56,7 @@ class Table:
     def _repr_html_(self) -> str:
         e = html.escape
         cap = f"<caption>{e(self.caption)}</caption>" if self.caption else ""
-        head = "".join(f'<th style="text-align:{a}">{e(h)}</th>' for h, a in zip(self.header, self.align))
+        head = "".join(f'<th style="text-align:{a}">{_breakable(h)}</th>' for h, a in zip(self.header, self.align))
         body = "".join("<tr>" + "".join(f'<td style="text-align:{a}">{e(c)}</td>'
                                         for c, a in zip(r, self.align)) + "</tr>" for r in self.rows)
         table = (f'<table class="kvlab-table">{"" if self.collapsed else cap}<thead><tr>{head}</tr></thead>'

@@ -2,10 +2,32 @@
 
 A chapter that writes "A is several times faster than B" is only true on the machine its author
 used. These helpers turn the numbers of the run that builds the page into the sentence, and name
-the device in it, so the page stays true when it is rebuilt on a GPU. Two timings whose medians
-differ by less than ``NOISE``, or by less than their samples' spread, are reported as *not told
-apart*, and the sentence says which of the two held: on a shared CPU a 10% difference is within the
-noise of one run.
+the device in it, so the page stays true when it is rebuilt on a GPU.
+
+The wording convention (chapters and their helpers follow it; see also
+``/work/notes/chapter-conventions.md`` and the chapters' "What to take away" sections):
+
+* **Lead with the measured ratio, then its spread.** "ours is 6.50x faster than transformers (time
+  ratio 0.15, 0.12 to 0.18 within the runs' spread): ..." The number comes first; the words after it
+  say how far the runs let a reader trust it. A sentence never contradicts the ratio printed in it.
+* **Then one of three verdicts**, decided by :func:`compare_timings` (``Comparison.verdict``):
+
+  - ``"every round"`` -- *faster in every round*: the medians differ by more than ``NOISE`` and the
+    faster variant won each interleaved round (pairwise; sample ranges when the counts differ);
+  - ``"median"`` -- *faster in the median, runs overlap*: the medians differ by more than ``NOISE``
+    but some round went the other way; the sentence says in how many rounds each won, and the
+    difference is stated as measured, not as established;
+  - ``"none"`` -- *no difference measured*: the medians differ by less than ``NOISE``.
+
+  Never "not told apart" for a 6x gap: a large gap with overlapping noisy runs is "faster in the
+  median, runs overlap".
+* ``Comparison.apart`` (and :func:`told_apart`) keeps the stricter robust test: the interval of the
+  ratio, each median moved by ``SPREAD`` MADs of its samples, lies outside the noise band. Callers
+  that must *choose* (a best variant) use it; callers that *describe* use :func:`relation`.
+* **Shares of a whole** whose parts can be negative (a part measured under its floor) are worded
+  by :func:`share`: the denominator is the sum of the positive parts, and the negative ones are named
+  apart, so a part never exceeds its whole.
+* **Name the device** (:func:`on`) in every sentence that compares timings.
 """
 
 from __future__ import annotations
@@ -19,12 +41,16 @@ import torch
 from .provenance import device_name
 from .timing import Timing
 
-#: Medians closer than this (relative) are not told apart, whatever their samples say.
+#: Medians closer than this (relative) count as no difference measured, whatever their samples say.
 NOISE = 0.10
 
 #: How many median absolute deviations (MAD) of its samples a median may be off by. One MAD is about
 #: 0.67 standard deviations of normal noise, so 3 MADs is about 2 standard deviations.
 SPREAD = 3.0
+
+#: The three verdicts, in the words the sentences use.
+WORDS = {"every round": "faster in every round", "median": "faster in the median, runs overlap",
+         "none": "no difference measured"}
 
 
 def on(device) -> str:
@@ -46,8 +72,10 @@ def mad(samples) -> float:
 class Comparison:
     """Two timings compared: the ratio of medians ``a / b``, a robust interval around it, the verdict.
 
-    ``reason`` names the condition that decided: ``"apart"`` (the interval lies outside the noise
-    band), ``"close"`` (the medians differ by less than ``noise``) or ``"spread"`` (the medians
+    ``verdict`` is one of :data:`WORDS` (see the module docstring); ``wins`` counts the rounds in
+    which the variant with the lower median was faster, out of ``rounds``. ``apart`` is the stricter
+    robust test (the whole MAD interval outside the noise band); ``reason`` names the condition that
+    decided it: ``"apart"``, ``"close"`` (medians within ``noise``) or ``"spread"`` (the medians
     differ, but the samples' spread reaches into the noise band).
     """
 
@@ -57,18 +85,28 @@ class Comparison:
     apart: bool
     reason: str
     n: int
+    verdict: str = "none"
+    wins: int = 0
+    rounds: int = 0
+
+
+def _rounds(a: list[float], b: list[float], a_faster: bool) -> tuple[int, int]:
+    """How many rounds the lower-median variant won: pairwise when the runs were interleaved one
+    for one, else by ranges (every sample of one below every sample of the other, or none)."""
+    fast, slow = (a, b) if a_faster else (b, a)
+    if len(fast) == len(slow):
+        return sum(f < s for f, s in zip(fast, slow)), len(fast)
+    n = min(len(fast), len(slow))
+    return (n if max(fast) < min(slow) else 0), n
 
 
 def compare_timings(a: Timing, b: Timing, noise: float = NOISE, spread: float = SPREAD) -> Comparison:
-    """Ratio of medians ``a / b`` and whether the two are told apart.
+    """Ratio of medians ``a / b``, its robust interval, and the verdict (module docstring).
 
     Each median may be off by ``spread`` times its samples' MAD; the interval of the ratio is the
-    worst case of both, ``[(ma - sa) / (mb + sb), (ma + sa) / (mb - sb)]``. They are told apart when
-    the ratio is outside ``1 +- noise`` and the whole interval is too. Medians and MADs ignore one
-    outlier among three samples or more, so one descheduled run cannot hide a real difference (the
-    ranges of the samples could: one slow run makes them overlap). A bootstrap would not help with
-    the three to five runs a page can afford: a third to a quarter of its resamples would take the
-    outlier as their median.
+    worst case of both, ``[(ma - sa) / (mb + sb), (ma + sa) / (mb - sb)]``. Medians and MADs ignore
+    one outlier among three samples or more, so one descheduled run cannot hide a real difference.
+    A bootstrap would not help with the three to five runs a page can afford.
     """
     if not a.samples or not b.samples:
         raise ValueError(f"both timings need samples, got {len(a.samples)} and {len(b.samples)}")
@@ -84,7 +122,10 @@ def compare_timings(a: Timing, b: Timing, noise: float = NOISE, spread: float = 
         reason = "apart"
     else:
         reason = "spread"
-    return Comparison(r, low, high, reason == "apart", reason, min(len(a.samples), len(b.samples)))
+    wins, rounds = _rounds(a.samples, b.samples, r <= 1)
+    verdict = "none" if reason == "close" else "every round" if wins == rounds else "median"
+    return Comparison(r, low, high, reason == "apart", reason, min(len(a.samples), len(b.samples)),
+                      verdict, wins, rounds)
 
 
 def told_apart(a: Timing, b: Timing, noise: float = NOISE) -> bool:
@@ -92,22 +133,58 @@ def told_apart(a: Timing, b: Timing, noise: float = NOISE) -> bool:
     return compare_timings(a, b, noise).apart
 
 
+def relation(c: Comparison, win: str, lose: str, better: str = "faster", noise: float = NOISE) -> str:
+    """The verdict's words for a comparison whose lower-median side is ``win``: ``"faster in every
+    one of the 5 rounds"``, ``"faster in the median, runs overlap (win faster in 3 of 5 rounds)"``,
+    ``"no difference measured (medians within 10%)"``."""
+    if c.verdict == "none":
+        return f"no difference measured (medians within {noise:.0%})"
+    if c.verdict == "every round":
+        return (f"{better} in the one round measured" if c.rounds == 1 else
+                f"{better} in every one of the {c.rounds} rounds")
+    return (f"{better} in the median, runs overlap ({win} {better} in {c.wins} of {c.rounds} rounds, "
+            f"{lose} in the others)" if c.wins else
+            f"{better} in the median, runs overlap (the sample ranges of {win} and {lose} overlap)")
+
+
 def faster(a: Timing, b: Timing, device, name_a: str | None = None, name_b: str | None = None,
            noise: float = NOISE) -> str:
-    """``"A is 2.3x faster than B on DEVICE"``, or that the two were not told apart, and why."""
+    """``"A is 2.30x faster than B (time ratio 0.43, 0.40 to 0.47 within the runs' spread): faster in
+    every one of the 5 rounds; medians of 5 interleaved runs on DEVICE"``; the ratio leads, the
+    verdict (:func:`relation`) follows and never contradicts it."""
     name_a, name_b = name_a or a.label, name_b or b.label
     c = compare_timings(a, b, noise)
     how = f"medians of {c.n} interleaved run{'s' if c.n != 1 else ''} {on(device)}"
-    interval = f"time ratio {c.ratio:.2f}, {c.low:.2f} to {c.high:.2f} within the runs' spread"
-    if c.reason == "close":
-        return (f"{name_a} and {name_b} were not told apart: their medians differ by less than "
-                f"{noise:.0%} (time ratio {c.ratio:.2f}; {how})")
-    if c.reason == "spread":
-        return (f"{name_a} and {name_b} were not told apart: their medians differ ({interval}), but "
-                f"the runs' spread reaches within {noise:.0%} of equal ({how})")
+    interval = f"time ratio {c.ratio:.2f}, {c.low:.2f} to {_num(c.high)} within the runs' spread"
+    if c.verdict == "none":
+        return (f"{name_a} and {name_b}: time ratio {c.ratio:.2f} ({c.low:.2f} to {_num(c.high)} within the runs' "
+                f"spread), {relation(c, name_a, name_b, noise=noise)}; {how}")
     win, lose = (name_a, name_b) if c.ratio < 1 else (name_b, name_a)
     r = max(c.ratio, 1 / c.ratio)
-    return f"{win} is {r:.2f}x faster than {lose} ({interval}; {how})"
+    return f"{win} is {r:.2f}x faster than {lose} ({interval}): {relation(c, win, lose, noise=noise)}; {how}"
+
+
+def _num(x: float) -> str:
+    return "unbounded" if math.isinf(x) else f"{x:.2f}"
+
+
+def share(part: float, parts, unit: str = "ms", scale: float = 1e3, what: str = "above their floors",
+          label: str = "") -> str:
+    """``part`` as a share of the positive ``parts``: ``"3.955 ms, 84% of the 4.710 ms the parts
+    spend above their floors (one part ran 3.940 ms under its floor)"``. A part measured under its
+    floor is negative; summing it in would make a part exceed its whole, so it is named apart.
+    ``label`` follows the part's value (``" above it"``)."""
+    parts = list(parts)
+    pos = sum(p for p in parts if p > 0)
+    neg = [p for p in parts if p < 0]
+    if part <= 0 or pos <= 0:
+        head = f"{part * scale:.3f} {unit}{label}, none of the {pos * scale:.3f} {unit} the parts spend {what}"
+    else:
+        head = f"{part * scale:.3f} {unit}{label}, {part / pos:.0%} of the {pos * scale:.3f} {unit} the parts spend {what}"
+    if not neg:
+        return head
+    under = " and ".join(f"{-p * scale:.3f} {unit}" for p in neg)
+    return head + f" ({len(neg)} part{'s' * (len(neg) > 1)} ran {under} under {'their' if len(neg) > 1 else 'its'} floor)"
 
 
 def ratio_word(r: float, noise: float = NOISE) -> str:
@@ -144,21 +221,16 @@ def trend(xs, ys, xname: str, yname: str, device, unit: str = "x") -> str:
 
 
 
-def quantization(rows: dict, kivi: str, tensor: str, token: str, resid: str, device) -> str:
-    """Chapter 5's comparisons from its rows (``{(name, bits): {"kl", "agree", "ppl_change", "frac"}}``)."""
-    def kl_ratio(name, bits):
-        return ratio_word(rows[name, bits]["kl"] / max(rows[kivi, bits]["kl"], 1e-12))
-
-    lines = [f"measured {on(device)}, against full precision:"]
-    for bits in sorted({b for n, b in rows if n == kivi}, reverse=True):
-        k, r = rows[kivi, bits], rows[resid, bits]
-        lines.append(f"{bits} bits: KIVI KL {k['kl']:.1e}, top-1 {k['agree']:.1%}, ppl {k['ppl_change']:+.2%}, "
-                     f"{k['frac']:.0%} of the fp32 bytes; KL of per tensor: {kl_ratio(tensor, bits)}, "
-                     f"of per-token keys: {kl_ratio(token, bits)} than KIVI's; + residual: KL "
-                     f"{r['kl']:.1e}, ppl {r['ppl_change']:+.2%}, {r['frac']:.0%} of the bytes")
-    for (name, bits), r in rows.items():
-        if name.startswith(("transformers", "article")):
-            lines.append(f"{name}, {bits} bits: KL {r['kl']:.1e}, top-1 {r['agree']:.1%}, "
-                         f"{r['frac']:.0%} of the fp32 bytes (KIVI at {bits} bits: KL "
-                         f"{rows[kivi, bits]['kl']:.1e}, {rows[kivi, bits]['frac']:.0%})")
-    return "\n".join(lines)
+def quantization(rows: dict, kivi: str, device) -> tuple[list[dict], str]:
+    """Chapter 5's comparisons from its rows (``{(name, bits): {"kl", "agree", "ppl_change", "frac"}}``),
+    as table rows (one per scheme and bit width, most bits first) and their caption: each scheme's KL
+    divergence and bytes, and its KL against KIVI's at the same bits in words (:func:`ratio_word`),
+    so no comparison is typed. A table, not a block of sentences: fifteen lines of prose hid it."""
+    out = []
+    for (name, bits), r in sorted(rows.items(), key=lambda kv: (-kv[0][1], kv[0][0] != kivi)):
+        k = rows.get((kivi, bits))
+        against = "-" if name == kivi or k is None else ratio_word(r["kl"] / max(k["kl"], 1e-12))
+        out.append({"scheme": name, "bits": bits, "KL (nats)": f"{r['kl']:.1e}", "bytes of fp32": f"{r['frac']:.0%}",
+                    "KL against KIVI's at these bits": against})
+    return out, (f"each scheme's KL divergence from full precision against KIVI's at the same bits, measured "
+                 f"{on(device)} (the full rows are in the table above)")

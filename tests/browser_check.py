@@ -1,6 +1,7 @@
 """The built book in a real browser: headless Chromium (Debian's package) driven by Playwright,
 over the HTML served on localhost, as a reader sees it. For every page of _toc.yml:
 
+* no word of a table (a header above all) is broken over two lines;
 * it loads with no JavaScript error and no failed request, and asks nothing of the network (any
   request that leaves localhost is blocked and reported: the book must work offline);
 * it shows no traceback or error output (a lab's NotImplementedError stub is source: fine);
@@ -8,6 +9,10 @@ over the HTML served on localhost, as a reader sees it. For every page of _toc.y
   progress bar was left in an output;
 * every figure loads (natural width > 0) and every equation is typeset by MathJax (no raw TeX);
 * a screenshot goes to _build/screenshots/ (kept by CI as an artefact).
+
+Figures are PNG images, so their font sizes cannot be read from the page: tests/test_draw.py checks
+them on the saved figures (kvlab.provenance.small_texts). tests/check_built_book.py checks, from the
+HTML, each chapter's take-away and lab link, the labs' links back, dead '#' links and .md launches.
 
 And once: the search page finds "DynamicCache" and the chapter that teaches it; lab pages have
 launch (Binder, Colab) and download buttons whose URLs derive from _config.yml; the memory
@@ -123,8 +128,23 @@ PAGE_PROBE = r"""async () => {
       .map(b => 'past the column: ' + (b.textContent || b.getAttribute('src') || '').trim().slice(0, 80));
   // a progress bar left in a page (tqdm's text "45%|####  | 9/20 [00:01<...]"), frozen where the build left it
   const bars = outputs.filter(o => PROGRESS_BAR.test(o.textContent)).map(o => o.textContent.trim().slice(0, 80));
+  // a word of a table split over two lines ("criti cal batc h"): the word's range has line boxes at
+  // two heights. Hyphens may break a word; a slash only where the page put a <wbr> (two text nodes).
+  const split = [];
+  for (const cell of main.querySelectorAll('table th, table td')) {
+    const tw = document.createTreeWalker(cell, NodeFilter.SHOW_TEXT);
+    for (let n = tw.nextNode(); n; n = tw.nextNode()) {
+      const words = /[^\s-]+/g;
+      for (let m = words.exec(n.textContent); m; m = words.exec(n.textContent)) {
+        const r = document.createRange();
+        r.setStart(n, m.index); r.setEnd(n, m.index + m[0].length);
+        const tops = new Set([...r.getClientRects()].filter(x => x.width > 0).map(x => Math.round(x.top)));
+        if (tops.size > 1) split.push(m[0]);
+      }
+    }
+  }
   return {images: main.querySelectorAll('img').length, broken, maths: maths.length, untypeset, raw, errors,
-          scrolls: [...new Set(scrolls.concat(wide))], bars};
+          scrolls: [...new Set(scrolls.concat(wide))], bars, split: [...new Set(split)]};
 }"""
 
 # tqdm's text: a percentage, a bar between pipes, a count (JavaScript regex; also used in Python)
@@ -142,12 +162,17 @@ _SELF_TEST = {
     "bar": '<main><div class="cell_output"><div class="output"><pre>timing rounds:   0%|          | 0/3 '
            "[00:00&lt;?, ?it/s]</pre></div></div></main>",
     "clean": '<main style="width:600px"><div class="cell_output"><pre style="white-space:pre-wrap">'
-             + "x " * 400 + "</pre></div></main>",
+             + "x " * 400 + "</pre></div></main>"
+             + "<table><tr><th>critical batch</th><th>measured/<wbr>floor</th><th>look-up</th></tr></table>",
+    # the CSS that broke chapter 7's headers: a column squeezed below its longest word
+    "split": '<main style="width:600px"><table><tr><th style="overflow-wrap:anywhere">critical batch</th>'
+             + "<td style='white-space:nowrap'>a wide cell that takes the room</td>" * 6 + "</tr></table></main>",
 }
 
 
 def self_test(page) -> list[str]:
-    """The probe reports a wide output block and a frozen progress bar, and nothing on a clean page."""
+    """The probe reports a wide output block, a frozen progress bar and a table word broken over two
+    lines, and nothing on a clean page."""
     found = {}
     for name, body in _SELF_TEST.items():
         page.set_content(f"<html><body>{body}</body></html>")
@@ -159,7 +184,9 @@ def self_test(page) -> list[str]:
         problems.append("self-test: the probe missed a table in a container that scrolls sideways")
     if not found["bar"]["bars"]:
         problems.append("self-test: the probe missed a progress bar left in an output")
-    if found["clean"]["scrolls"] or found["clean"]["bars"]:
+    if not found["split"]["split"]:
+        problems.append("self-test: the probe missed a table header broken inside a word")
+    if found["clean"]["scrolls"] or found["clean"]["bars"] or found["clean"]["split"]:
         problems.append(f"self-test: the probe flagged a clean page: {found['clean']}")
     return problems
 
@@ -180,6 +207,7 @@ def check_page(page, base: str, name: str, shots: Path) -> tuple[list[str], dict
     problems += [f"error output: {t!r}" for t in probe["errors"]]
     problems += [f"needs horizontal scrolling: {t!r}" for t in probe["scrolls"]]
     problems += [f"progress bar left in the page: {t!r}" for t in probe["bars"]]
+    problems += [f"a table breaks a word over two lines: {w!r}" for w in probe["split"]]
     page.screenshot(path=str(shots / f"{name.replace('/', '__')}.png"))
     if probe["maths"]:   # the first displayed equation, close up
         eq = page.query_selector("div.math mjx-container") or page.query_selector(".math mjx-container")

@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvlab import batching, draw, draw_engine, gpt2, quant
+from kvlab import batching, draw, draw_engine, gpt2, provenance, quant
 from kvlab.configs import kv_dims
 from kvlab.paged import BlockAllocator
 
@@ -17,6 +17,7 @@ def _is_drawing(d):
     bundle = d._repr_mimebundle_()
     assert 'alt="' in bundle["text/html"] and bundle["text/plain"] == d.alt
     assert not plt.get_fignums()          # off-screen: pyplot never saw the figure
+    assert provenance.small_texts(d.figure) == []     # every text of the saved figure at reading size
     return d
 
 
@@ -68,6 +69,10 @@ def test_generic_diagrams_for_chapters_7_to_9():
     assert "decode at 1 FLOP/byte, 50 GFLOP/s (memory-bound)" in d.alt and "(compute-bound)" in d.alt
     d = _is_drawing(draw_engine.static_buffer(16, 5))
     assert "5 are filled" in d.alt and "11 slots" in d.alt
+    d = _is_drawing(draw_engine.static_buffer(32, 13, prefill=10))        # chapter 3: the text names the split
+    assert "prefill wrote slots 0 to 9; decode steps wrote 10 to 12" in d.alt
+    assert ["written by the prefill (10 tokens)", "written by 3 decode steps, one slot each"] == [
+        t.get_text() for t in d.figure.axes[0].get_legend().get_texts()]
     a = BlockAllocator(6, 4)
     a.allocate("a", 6)
     a.fork("a", "b")
@@ -118,3 +123,65 @@ def test_timeline_of_requests():
             self.rid, self.submitted, self.first_token, self.finished = rid, s, f, e
     d = _is_drawing(draw_engine.timeline([R(0, 0.0, 0.1, 1.0), R(1, 0.0, 0.3, 1.5), R(2, 0.5, 0.6, 2.0)]))
     assert "3 requests over 2 s" in d.alt and "median time to first token 0.1 s" in d.alt
+
+
+# ---------------------------------------------------------------------------------------------------
+# Issue 37: text at reading size in every saved figure (diagrams above, plots and the stamp here)
+
+def _saved_sizes(fig) -> list[float]:
+    """Font sizes of the texts as the saved figure has them (saving draws the figure)."""
+    import io
+    from matplotlib.text import Text
+    fig.savefig(io.BytesIO(), format="png")
+    return [t.get_fontsize() for t in fig.findobj(Text) if t.get_visible() and t.get_text().strip()]
+
+
+def test_the_font_check_can_fail_and_readable_repairs_it():
+    from matplotlib.figure import Figure
+    fig = Figure(figsize=(6, 3))
+    ax = fig.add_subplot()
+    ax.plot([1, 2], [1, 2], label="a line")
+    ax.legend(fontsize=5)
+    ax.annotate("B=8", (1, 1), fontsize=6)
+    small = provenance.small_texts(fig)
+    assert ("B=8", 6) in small and ("a line", 5) in small            # the check sees what is too small
+    provenance.readable(fig)
+    assert provenance.small_texts(fig) == [] and min(_saved_sizes(fig)) >= provenance.MIN_FONT
+    wide = Figure(figsize=(2 * provenance.COLUMN_IN, 3))              # shown at half size on the page
+    wide.text(0.1, 0.1, "stamp", fontsize=provenance.MIN_FONT)
+    assert provenance.small_texts(wide) and provenance.min_font(wide) == 2 * provenance.MIN_FONT
+    provenance.readable(wide)
+    assert min(_saved_sizes(wide)) == 2 * provenance.MIN_FONT
+
+
+def test_plots_and_their_stamp_are_readable(tiny):
+    from kvlab import plots, rooflineview
+    model, _ = tiny
+    fig, ax = plots.figure(size=(9, 3.8))
+    ax.plot([1, 2, 3], [3, 1, 2], label="x")
+    ax.set_xticks([1, 2, 3], ["a", "b", "c"], fontsize=6)
+    plots.finish(fig, model, "cpu", legend=[ax], fontsize=6, show=False)
+    assert min(_saved_sizes(fig)) >= provenance.min_font(fig) > provenance.MIN_FONT
+    plt.close(fig)
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    pts = [dict(x=0.1 * 1.1 ** i, y=1e9 * i + 1, batch=2 ** i) for i in range(8)]   # crowded on log x
+    rooflineview.plot_roofline(ax, 1e10, 1e11, {"short": pts, "long": pts}, "t")
+    provenance.stamp_figure(fig, model, "cpu")
+    labels = [t for t in ax.texts if t.get_text().startswith("B=")]
+    assert min(_saved_sizes(fig)) >= provenance.MIN_FONT
+    xs = sorted({t.xy[0] for t in labels})
+    assert all(b / a >= 10 ** 0.15 - 1e-9 for a, b in zip(xs, xs[1:]))   # no two labels on top of each other
+    assert pts[-1]["x"] in xs                                             # the last batch always named
+    plt.close(fig)
+
+
+def test_the_bytes_of_a_decode_step_are_drawn_from_the_roofline_count(tiny):
+    from kvlab import roofline
+    model, _ = tiny
+    d = _is_drawing(draw.step_bytes(model, 2, [8, 64]))
+    bars = d.figure.axes[0].patches
+    assert len(bars) == 8                                           # four parts, two context lengths
+    for i, s in enumerate((8, 64)):
+        total = sum(b.get_width() for b in bars if abs(b.get_y() + b.get_height() / 2 - i) < 1e-6)
+        assert total * 1e6 == pytest.approx(roofline.decode_step_bytes(model, 2, s), rel=1e-9)
+    assert "plus the cache" in d.alt

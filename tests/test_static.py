@@ -234,7 +234,10 @@ def test_breakdown_sentence_is_computed_from_the_parts(capsys):
     s = sv.breakdown_sentence(attention_worst)
     assert "farthest above its floor is attention" in s and "the next, everything else" in s
     noisy = parts([(1.0e-3, 0.9e-3), (1.5e-3, 0.1e-3), (1.3e-3, 0.0)], spread=0.5)
-    assert "not told apart" in sv.breakdown_sentence(noisy)
+    assert "is as far: no difference measured" in sv.breakdown_sentence(noisy)
+    under = parts([(4.0e-3, 0.045e-3), (0.06e-3, 4.0e-3), (0.8e-3, 0.0)])   # attention under its floor
+    s = sv.breakdown_sentence(under)
+    assert "3.955 ms above it, 83% of the 4.755 ms the parts spend above their floors (1 part ran 3.940 ms under its floor)" in s
     blind = parts([(0.0, 0.9e-3), (0.0, 0.1e-3), (3e-3, 0.0)])
     assert "named no matrix product" in sv.breakdown_sentence(blind)
     sv.print_breakdown(attention_worst)

@@ -47,3 +47,17 @@ def test_a_collapsed_table_is_one_line_until_opened():
 def test_numbers_shown_as_text_are_right_aligned(cell, right):
     t = tables.show([{"c": cell}, {"c": "3"}], display=False)
     assert t.align == ["right" if right else "left"]
+
+
+def test_headers_wrap_between_words_never_inside_one():
+    """Issue 37: "criti cal batc h". The page's CSS may not break a word of a table (no
+    `overflow-wrap: anywhere`, no `word-break: break-all`); a header joined by a slash or an
+    underscore gets a break opportunity there instead."""
+    from pathlib import Path
+    from kvlab import tables
+    html = tables.show([{"measured/floor": "1.0x", "e2e_p90": 2.0, "bit/s": 3}], display=False)._repr_html_()
+    assert "measured/<wbr>floor" in html and "e2e_<wbr>p90" in html and ">bit/s<" in html
+    import re
+    css = re.sub(r"/\*.*?\*/", "", (Path(__file__).parents[1] / "_static" / "wrap-code.css").read_text(), flags=re.S)
+    rules = [r for r in css.split("}") if "table" in r.split("{")[0]]
+    assert rules and not any("anywhere" in r or "break-all" in r for r in rules)
