@@ -184,3 +184,87 @@ def test_a_wrapper_around_the_library_is_refused():
     assert library_calls(CacheWrappingTheLibrary) == ["kvlab.cache (imported inside your code)"]
     with pytest.raises(GraderFailure, match="your code uses kvlab.gpt2.attention"):
         check_attention(wraps_by_module)
+
+
+# ------------------------------------------- issue 34: the rule, enforced by what runs (LibraryWatch)
+
+def _ran(fn, *args, given=()):
+    from kvlab.course.checks._common import LibraryWatch
+    with LibraryWatch(given) as watch:
+        fn(*args)
+    return [name for name, _ in watch.ran]
+
+
+def test_the_watch_sees_the_library_one_step_removed():
+    """Kind 1: a lambda's attribute chain, a default argument, composition, a subclass that inherits the
+    library's method, a call through torch: each is named by what ran, whatever the names say."""
+    import kvlab.paged
+    from kvlab.paged import BlockAllocator, blocks_for
+
+    pool, table = torch.randn(4, 1, 2, 3), [2, 0]
+    lam = lambda: kvlab.paged.paged_gather(pool, table, 3)              # noqa: E731
+    def default_arg(_g=kvlab.paged.paged_gather):
+        return _g(pool, table, 3)
+
+    class Composed:
+        def __init__(self):
+            self.inner = BlockAllocator(4, 2)
+
+    class Sub(BlockAllocator):
+        def num_free(self):                                         # one trivial method of its own
+            return len(self.free_list) if hasattr(self, "free_list") else 0
+
+    assert _ran(lam) == ["kvlab.paged.paged_gather"]
+    assert _ran(default_arg) == ["kvlab.paged.paged_gather"]
+    assert _ran(Composed)[0] == "kvlab.paged.BlockAllocator.__init__"
+    sub = Sub(4, 2)                                                 # built outside the watch
+    assert "kvlab.paged.BlockAllocator.allocate" in _ran(lambda: sub.allocate("s", 3))
+    # through Python's own code: the library called back by contextlib on the learner's behalf
+    def through_stdlib():
+        import contextlib
+        with contextlib.ExitStack() as stack:
+            stack.callback(blocks_for, 5, 2)
+    assert _ran(through_stdlib) == ["kvlab.paged.blocks_for"]
+
+
+def test_the_watch_lets_tools_given_things_and_the_graders_own_calls_through():
+    """Unusual but allowed: a tool (validate, timing), what the exercise gives, a learner's own copy of the
+    library's code, and the library called by the grader itself (not by the learner's code)."""
+    from kvlab import validate
+    from kvlab.course.checks import lab07
+    from kvlab.roofline import decode_step_flops, meta_model
+
+    model = meta_model("gpt2", torch.float32)
+    assert _ran(lambda: validate.check_int(3, "n")) == []
+    assert _ran(lambda: decode_step_flops(model, 2, 8), given=(decode_step_flops,)) == []
+    assert _ran(lambda: own_copy(decode_step_flops)(model, 2, 8)) == []
+    assert _ran(lambda: lab07._case("m", model, 2, 8)) == []       # the grader's own use of kvlab.roofline
+
+
+def test_a_check_refuses_what_runs_and_names_the_line():
+    """The wrapper: a refusal names the library function and the learner's function it ran from; it
+    outranks any other failure the library's code caused (the root cause first)."""
+    import kvlab.paged
+    from kvlab.course.checks import check_paged_gather
+
+    def sneaky(pool, block_table, seq_len):
+        return getattr(kvlab.paged, "paged" + "_gather")(pool, block_table, seq_len)   # no name to read
+
+    with pytest.raises(GraderFailure) as err:
+        check_paged_gather(sneaky)
+    assert "ran kvlab.paged.paged_gather" in str(err.value) and "from sneaky (line" in str(err.value)
+
+
+def test_torchs_own_not_implemented_is_named_a_stubs_passes():
+    """Issue 34: torch's meta-device NotImplementedError is a named failure, not passed on as a stub."""
+    from kvlab.course.checks._common import learner_call
+
+    with pytest.raises(GraderFailure, match="inside torch, not your stub"):
+        learner_call("check_x", "f", lambda x: x.nonzero(), torch.ones(3, device="meta"))
+    with pytest.raises(GraderFailure, match="inside torch, not your stub"):      # a second input
+        learner_call("check_x", "f", lambda x: torch.unique(x), torch.ones(4, device="meta"))
+
+    def stub(x):
+        raise NotImplementedError("Exercise: write f")
+    with pytest.raises(NotImplementedError, match="Exercise: write f"):
+        learner_call("check_x", "f", stub, 1)

@@ -406,3 +406,19 @@ def test_cache_bytes_prediction_names_what_is_left_out():
     # the library's cache also keeps slot_pos: a prediction of the K/V alone is 8,192 bytes short
     expect_rejected(lambda c: check_cache_bytes_prediction(c, 2 * 12 * 12 * 1024 * 64 * 4), PreallocatedCache,
                     "8,192 bytes short", "slot_pos [1, 1024] int64")
+
+
+def attention_past_from_shapes(q, k, v, past_len):
+    """Correct: reads past_len from the shapes (S - T), as the contract allows (issue 34, kind 8)."""
+    import math as _m
+    T, S = q.shape[-2], k.shape[-2]
+    past = S - T
+    hidden = torch.arange(S, device=q.device)[None] > past + torch.arange(T, device=q.device)[:, None]
+    scores = (q.float() @ k.float().transpose(-2, -1) / _m.sqrt(q.shape[-1])).masked_fill(hidden, float("-inf"))
+    return (torch.softmax(scores, -1) @ v.float()).to(q.dtype)
+
+
+def test_attention_taking_past_len_from_the_shapes_passes(capsys):
+    from kvlab.course.checks import check_attention
+    check_attention(attention_past_from_shapes)
+    assert "PASSED check_attention" in capsys.readouterr().out

@@ -8,11 +8,13 @@ import numpy as np
 import pytest
 import torch
 
-from utils import expect_rejected
+from utils import expect_rejected, own_copy
+from kvlab import memory as _ch4_memory
 from kvlab import roofline
 from kvlab.course.checks import (check_bound_and_critical, check_decode_step_bytes, check_overhead_fit,
                           check_step_time_floor, check_sweep_plan)
 from kvlab.course.checks._common import grading_model
+from kvlab.course.checks.lab07 import _BYTE_CASES
 from kvlab.roofline import decode_step_flops
 
 
@@ -63,9 +65,15 @@ def _stale():
     return impl
 
 
+def _memo_on(key):
+    memo = {}
+    return lambda model, B, S: memo.setdefault(key(model, B, S), right(model, B, S))
+
+
 def _stateful():
     calls = itertools.count()
-    return lambda model, B, S: right(model, B, S) + (next(calls) >= 10)    # drifts on the second pass
+    first = len(_BYTE_CASES)
+    return lambda model, B, S: right(model, B, S) + (next(calls) >= first)   # drifts on the second pass
 
 
 def _one_coincidence(model, B, S):
@@ -97,16 +105,25 @@ WRONG_BYTES = {
                                 ["head_dim", "explicitly"]),
     "returns a float": (lambda m, B, S: float(right(m, B, S)), ["Python int"]),
     "off by one byte everywhere": (lambda m, B, S: right(m, B, S) - 1,
-                                   ["no single known mistake", "Wrong on 10 of 10", "(-1)"]),
+                                   ["no single known mistake", "Wrong on 13 of 13", "(-1)"]),
     "one coincidence is not a diagnosis": (_one_coincidence, ["no single known mistake", "Llama-3.1-8B",
                                                               "Right on"]),
     "stale (memoised on the model)": (_stale(), ["kept from another call"]),
+    # issue 34, kind 2: memos keyed on part of the arguments, each caught by a pair differing in one
+    "memoised on (model, seq_len)": (_memo_on(lambda m, B, S: (id(m), S)), ["kept from another call", "batch_size only"]),
+    "memoised on (batch_size, seq_len)": (_memo_on(lambda m, B, S: (B, S)), ["kept from another call",
+                                                                             "the model only"]),
     "state between calls": (_stateful(), ["called twice with the same arguments"]),
     "the library handed in": (roofline.decode_step_bytes, ["library's own", "write it"]),
     "the library called": (lambda m, B, S: roofline.decode_step_bytes(m, B, S),
-                           ["calls kvlab.roofline.decode_step_bytes", "write your own"]),
+                           ["ran kvlab.roofline.decode_step_bytes", "write it yourself"]),
     "the library's helper called": (lambda m, B, S: roofline.weight_read_bytes(m, B) + _kv(m, B, S),
                                     ["kvlab.roofline.weight_read_bytes"]),
+    # chapter 4's formula is not on lab 7's list (only decode_step_flops is given): refused when it runs
+    "chapter 4's formula from the library": (lambda m, B, S: _weights(m, B) + _ch4_memory.kv_cache_bytes(
+        m.config, S, B, next(m.parameters()).dtype), ["ran kvlab.memory.kv_cache_bytes"]),
+    "the library bound as a default argument": (lambda m, B, S, _f=roofline.step_bytes: _f(m, B, B, B * S),
+                                                ["ran kvlab.roofline.step_bytes"]),
 }
 
 
@@ -162,8 +179,8 @@ def named_parameters_dedup(model, B, S):
     return total + _kv(model, B, S)
 
 
-def with_kvlab_memory(model, B, S):
-    from kvlab.memory import kv_cache_bytes
+def with_own_lab4_formula(model, B, S):
+    kv_cache_bytes = own_copy(_ch4_memory.kv_cache_bytes)      # the learner's own lab 4 answer, copied in
     dtype = next(model.parameters()).dtype
     rows = sum(B * t.shape[1] for t in _tables(model))
     table = sum(t.numel() for t in _tables(model))
@@ -177,7 +194,7 @@ def memoised_correctly(model, B, S, _memo={}):    # noqa: B006 - a cache keyed o
     return _memo[key]
 
 
-@pytest.mark.parametrize("impl", [right, numpy_ints, named_parameters_dedup, with_kvlab_memory, memoised_correctly])
+@pytest.mark.parametrize("impl", [right, numpy_ints, named_parameters_dedup, with_own_lab4_formula, memoised_correctly])
 def test_bytes_unusual_correct_pass(impl, capsys):
     check_decode_step_bytes(impl)
     assert "PASSED" in capsys.readouterr().out
@@ -189,7 +206,20 @@ def floor(model, B, S, bw, fl):
     return max(right(model, B, S) / bw, decode_step_flops(model, B, S) / fl)
 
 
+def _floor_memo_without_bandwidth():
+    memo = {}
+    return lambda m, B, S, bw, fl: memo.setdefault((id(m), B, S, fl), floor(m, B, S, bw, fl))
+
+
+def _floor_memo_without_flops():
+    memo = {}
+    return lambda m, B, S, bw, fl: memo.setdefault((id(m), B, S, bw), floor(m, B, S, bw, fl))
+
+
 WRONG_FLOOR = {
+    # issue 34, kind 2: a memo that ignores one of the machine's rates, caught by a pair differing in it
+    "memoised without the bandwidth": (_floor_memo_without_bandwidth(), ["kept from another call", "bandwidth only"]),
+    "memoised without the flops": (_floor_memo_without_flops(), ["kept from another call", "flops only"]),
     "min": (lambda m, B, S, bw, fl: min(right(m, B, S) / bw, decode_step_flops(m, B, S) / fl), ["SMALLER"]),
     "sum": (lambda m, B, S, bw, fl: right(m, B, S) / bw + decode_step_flops(m, B, S) / fl, ["added"]),
     "milliseconds": (lambda m, B, S, bw, fl: 1e3 * floor(m, B, S, bw, fl), ["milliseconds"]),
@@ -210,7 +240,7 @@ WRONG_FLOOR = {
     "the library handed in": (roofline.step_time_floor, ["library's own"]),
     "the library's bytes": (lambda m, B, S, bw, fl: max(roofline.decode_step_bytes(m, B, S) / bw,
                                                         decode_step_flops(m, B, S) / fl),
-                            ["calls kvlab.roofline.decode_step_bytes"]),
+                            ["ran kvlab.roofline.decode_step_bytes"]),
 }
 
 
@@ -318,7 +348,30 @@ def _no_none_test(model, B, S, bw, fl):
     return _bound(model, B, S, bw, fl), math.ceil(shared / bw / (f / fl - row / bw))
 
 
+def _crit_memo_without(arg):
+    memo = {}
+
+    def impl(m, B, S, bw, fl):
+        key = {"bandwidth": (id(m), S, fl), "flops": (id(m), S, bw), "seq_len": (id(m), bw, fl)}[arg]
+        return _bound(m, B, S, bw, fl), memo.setdefault(key, closed_form(m, B, S, bw, fl)[1])
+    return impl
+
+
+def _capped(limit):
+    """A search over batch sizes that gives up at ``limit`` (real critical batches reach thousands)."""
+    def impl(m, B, S, bw, fl):
+        crit = closed_form(m, B, S, bw, fl)[1]
+        return _bound(m, B, S, bw, fl), crit if crit is None or crit <= limit else None
+    return impl
+
+
 WRONG_CRIT = {
+    # issue 34, kinds 2 and 3: memos keyed on part of the arguments; a loop capped below real critical batches
+    "memoised without the bandwidth": (_crit_memo_without("bandwidth"), ["kept from another call", "bandwidth only"]),
+    "memoised without the flops": (_crit_memo_without("flops"), ["kept from another call", "flops only"]),
+    "memoised without the context": (_crit_memo_without("seq_len"), ["kept from another call", "seq_len only"]),
+    "a search capped at 1,000": (_capped(1000), ["the critical batch is 16712", "you said None"]),
+    "a search capped at 10,000": (_capped(10_000), ["the critical batch is 16712", "you said None"]),
     "critical batch at zero context": (_at_zero, ["ZERO context"]),
     "every byte shared by the batch": (_all_shared, ["every byte", "own cache"]),
     "one too many": (_shift(closed_form, 1), ["off by one, too large"]),
@@ -330,7 +383,7 @@ WRONG_CRIT = {
     "a float batch": (lambda *a: (closed_form(*a)[0], float(closed_form(*a)[1] or 1)), ["positive int or None"]),
     "not a pair": (lambda *a: closed_form(*a)[1], ["pair (bound, critical_batch)"]),
     "the library called": (lambda m, B, S, bw, fl: (_bound(m, B, S, bw, fl), roofline.critical_batch(m, S, bw, fl)),
-                           ["calls kvlab.roofline.critical_batch"]),
+                           ["ran kvlab.roofline.critical_batch"]),
 }
 
 
@@ -372,11 +425,28 @@ def test_sweep_plan(capsys):
         check_sweep_plan([1, 8, 4, 64], tiny, 64, bw, fl)
     with pytest.raises(AssertionError, match="positive ints"):
         check_sweep_plan([1, 2.0, 64], tiny, 64, bw, fl)
-    check_sweep_plan([1, 2], tiny, 64, 1e9, 1e15)                           # no critical batch: nothing to reach
+    # a range and a numpy array are lists of batches too (issue 34, kind 8)
+    check_sweep_plan(range(1, 2 * crit + 1), tiny, 64, bw, fl)
+    check_sweep_plan(np.array([1, 2, crit + 1, 2 * crit]), tiny, 64, bw, fl)
+
+
+def test_sweep_plan_can_fail_where_there_is_no_bend(capsys):
+    """Issue 34, kind 5: with no critical batch, or one whose twice does not fit, any list used to pass."""
+    tiny = grading_model()[0]
+    with pytest.raises(AssertionError, match="no batch is compute-bound.*four batches spanning a factor of 8"):
+        check_sweep_plan([1, 2], tiny, 64, 1e9, 1e15)
+    with pytest.raises(AssertionError, match="four batches spanning"):
+        check_sweep_plan([3, 4, 5, 6], tiny, 500, 1e9, 1e15)                # a second input: too narrow
+    check_sweep_plan([1, 2, 4, 8], tiny, 64, 1e9, 1e15)
     assert "no batch is compute-bound" in capsys.readouterr().out
     llama = roofline.meta_model("Llama-3.1-8B", torch.bfloat16)
-    check_sweep_plan([1, 2], llama, 100_000, 1e12, 1e12)                    # past the lab's memory budget
-    assert "beyond the lab's budget" in capsys.readouterr().out
+    with pytest.raises(AssertionError, match="beyond the lab's budget"):
+        check_sweep_plan([1, 2, 4, 8], llama, 100_000, 1e12, 1e12)          # batch 8 does not fit
+    # at 128 positions the critical batch (439 at these rates) is past what fits (128 rows): no bend
+    assert roofline.critical_batch(llama, 128, 3.35e12, 990e12) > 128
+    with pytest.raises(AssertionError, match="would not fit the budget"):
+        check_sweep_plan([1, 2], llama, 128, 3.35e12, 990e12)
+    check_sweep_plan([1, 4, 16, 128], llama, 128, 3.35e12, 990e12)
 
 
 # ---- overhead_fit
@@ -401,7 +471,35 @@ WRONG_FIT = {
     "not a pair": (lambda f, m: fit(f, m)[1], ["pair of numbers"]),
     "np.polyfit's order kept (k, overhead)": (lambda f, m: tuple(np.polyfit(f, m, 1)), ["you returned (k, overhead)"]),
     "in-place sort changes the input order": (lambda f, m: fit(sorted(f), m), ["least-squares line"]),
+    # issue 34, kind 4: right on noise-free lines, several per cent off at a real run's noise
+    "swapped and inverted": (lambda f, m: (lambda a, b: (-a / b, 1 / b))(*fit(m, f)),
+                             ["against the measurement and inverted", "off by"]),
+    "through the end points": (lambda f, m: _ends(f, m), ["smallest and the largest", "every point"]),
 }
+
+
+def _ends(f, m):
+    (f0, m0), (f1, m1) = min(zip(f, m)), max(zip(f, m))
+    return m0 - (m1 - m0) / (f1 - f0) * f0, (m1 - m0) / (f1 - f0)
+
+
+def theil_sen(floors, measured):
+    """A robust line (median of pairwise slopes): a fine estimator, but not the least squares asked for."""
+    pairs = [(b2 - b1) / (a2 - a1) for i, (a1, b1) in enumerate(zip(floors, measured))
+             for a2, b2 in list(zip(floors, measured))[i + 1:] if a2 != a1]
+    k = float(np.median(pairs))
+    return float(np.median([b - k * a for a, b in zip(floors, measured)])), k
+
+
+def test_fit_is_graded_on_a_real_runs_noise():
+    """Another estimator agrees on an exact line, not on noisy ones: rejected, with how far off."""
+    expect_rejected(check_overhead_fit, theil_sen, "least-squares line", "off by")
+
+
+def lstsq_normal_equations(floors, measured):         # unusual, correct: numpy's solver
+    A = np.stack([np.ones(len(floors)), np.array(floors)], 1)
+    a, k = np.linalg.lstsq(A, np.array(measured), rcond=None)[0]
+    return float(a), float(k)
 
 
 @pytest.mark.parametrize("name", WRONG_FIT)
@@ -410,7 +508,46 @@ def test_fit_mistakes_rejected_by_name(name):
     expect_rejected(check_overhead_fit, impl, *needles)
 
 
-@pytest.mark.parametrize("impl", [fit, polyfit])
+@pytest.mark.parametrize("impl", [fit, polyfit, lstsq_normal_equations])
 def test_fit_unusual_correct_pass(impl, capsys):
     check_overhead_fit(impl)
     assert "PASSED" in capsys.readouterr().out
+
+
+# ---- issue 34: each exercise graded on its own (the right answers to the earlier ones stand in)
+
+def decode_step_bytes(model, B, S):             # a learner's exercise 1, off by the tables (wrong)
+    return sum(p.numel() * p.element_size() for p in model.parameters()) + _kv(model, B, S)
+
+
+def step_time_floor(model, B, S, bw, fl):       # a right exercise 2 on top of the wrong exercise 1
+    return max(decode_step_bytes(model, B, S) / bw, decode_step_flops(model, B, S) / fl)
+
+
+def bound_and_critical_on_own_floor(model, B, S, bw, fl):   # right exercise 3, calling the learner's floor
+    step_time_floor(model, B, S, bw, fl)
+    return closed_form(model, B, S, bw, fl)
+
+
+def test_each_exercise_is_graded_on_its_own(capsys):
+    """A wrong exercise 1 is reported by its own check only: exercises 2 and 3, right, pass, and say
+    that the right answers stood in; the learner's function is put back afterwards."""
+    expect_rejected(check_decode_step_bytes, decode_step_bytes, "look-up tables")
+    check_step_time_floor(step_time_floor)
+    check_bound_and_critical(bound_and_critical_on_own_floor)
+    out = capsys.readouterr().out
+    assert "the right decode_step_bytes stood in" in out
+    assert "the right decode_step_bytes and step_time_floor stood in" in out
+    assert globals()["decode_step_bytes"].__module__ == __name__          # put back
+
+
+def _off_by_one_once(model, B, S, bw, fl):
+    """Right everywhere but one case (kvlab-tiny at 50 positions), one too large there: one case names no
+    mistake, so the message must show the times at both batches."""
+    bound, crit = closed_form(model, B, S, bw, fl)
+    return bound, crit + 1 if S == 50 and B == 24 else crit
+
+
+def test_an_unexplained_critical_batch_shows_the_times_at_both_batches():
+    msg = expect_rejected(check_bound_and_critical, _off_by_one_once, "strictly greater")
+    assert msg.count("the FLOPs take") == 2 and "memory-bound" in msg and "compute-bound" in msg

@@ -282,6 +282,29 @@ def test_no_recompile_accepts_correct(capsys):
     assert out.count("PASSED check_no_recompile") == 2 and "1 graph compiled" in out
 
 
+def attention_scale_of_tiny(q, k, v, pos):        # kvlab-tiny's head size written in: 1 / sqrt(64)
+    T, S = q.shape[-2], k.shape[-2]
+    hidden = torch.arange(S)[None] > pos + torch.arange(T)[:, None]
+    return torch.softmax((q @ k.transpose(-2, -1) / 8.0).masked_fill(hidden, float("-inf")), -1) @ v
+
+
+class CacheFloat32Always(StaticKVCache):             # ignores its dtype argument
+    def __init__(self, n_layer, batch_size, n_head, head_dim, max_len, dtype, device):
+        super().__init__(n_layer, batch_size, n_head, head_dim, max_len, torch.float32, device)
+
+
+def test_no_recompile_checks_another_model():
+    """Issue 34, kind 6: a hard-coded attention scale and a cache fixed to float32 pass every step on
+    kvlab-tiny; a float64 GPT-2 with heads of 24 shows both. A correct pair passes there too."""
+    from kvlab.course.checks import lab08
+    assert lab08.reference_static_attention is not None
+    expect_rejected(lambda a: check_no_recompile(StaticKVCache, a, steps=4), attention_scale_of_tiny,
+                    "3 heads of 24", "fixed to kvlab-tiny")
+    expect_rejected(lambda c: check_no_recompile(c, static_attention_explicit, steps=4), CacheFloat32Always,
+                    "float64", "dtype it is given")
+    lab08._on_other_model(CacheAdvancedIndex, static_attention_explicit)      # unusual, correct
+
+
 def attention_for_sliced(q, k, v, pos):            # works with a sliced cache (keys 0 .. pos+T-1)
     return static_attention(q, k, v, pos)
 
@@ -388,6 +411,33 @@ def test_hidden_nan_rejects():
                     "zero the buffers in reset()")
     expect_rejected(lambda a: check_hidden_nan(StaticKVCache, a, "NaN", True), static_attention_explicit,
                     "True")
+
+
+class CacheResetsLayerZeroOnly(StaticKVCache):        # reset() clears the first layer and the position
+    def reset(self):
+        self.keys[0].zero_()
+        self.values[0].zero_()
+        self.slot_pos.fill_(-1)
+        self.position.zero_()
+
+
+def attention_of_zeros(q, k, v, pos):
+    return torch.zeros_like(q)
+
+
+def attention_mean_of_values(q, k, v, pos):                     # finite, and wrong
+    return v.nan_to_num().mean(-2, keepdim=True).expand_as(q)
+
+
+def test_hidden_nan_can_fail():
+    """Issue 34, kind 5: the prediction was judged against the learner's own attention, so one that
+    returns zeros passed with any (False, False); the reset part used a one-layer cache."""
+    for wrong in (attention_of_zeros, attention_mean_of_values):       # two wrong attentions, one message
+        expect_rejected(lambda a: check_hidden_nan(StaticKVCache, a, False, False), wrong,
+                        "wrong on clean inputs", "check_static_attention first")
+    expect_rejected(lambda c: check_hidden_nan(c, static_attention_explicit, False, True), CacheResetsLayerZeroOnly,
+                    "layer 2", "zero the buffers in reset()")
+    check_hidden_nan(CacheResetReallocates, static_attention_explicit, False, True)    # unusual, correct here
 
 
 def static_generate_feeds_views(model, cache, step, input_ids, max_new_tokens):

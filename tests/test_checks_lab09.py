@@ -5,9 +5,15 @@ import pytest
 import torch
 
 from kvlab.course.checks import check_block_allocator, check_paged_gather, check_paged_generate
-from kvlab.paged import BlockAllocator, OutOfBlocks, paged_gather
+from kvlab.paged import BlockAllocator as LibraryAllocator
+from kvlab.paged import OutOfBlocks
+from kvlab.paged import paged_gather as library_gather
 
-from utils import expect_rejected
+from utils import expect_rejected, own_copy
+
+# A learner's own code, as the rule of the labs asks: the library's source run again outside kvlab.
+# The wrong variants below each change one method of it.
+BlockAllocator, paged_gather = own_copy(LibraryAllocator), own_copy(library_gather)
 
 # ---------------------------------------------------------------------------------------------------
 # Correct, but unlike the library's
@@ -74,21 +80,49 @@ def gather_index_select(pool, block_table, seq_len):
     return x.flatten(1, 2)[:, :seq_len]
 
 
-class CopiedAllocator(BlockAllocator):
-    """The library's allocator re-typed by a learner (a class of their own with the same code)."""
-
-    allocate, fork, append_slot, free = (BlockAllocator.allocate, BlockAllocator.fork, BlockAllocator.append_slot,
-                                         BlockAllocator.free)
-
-
 def test_correct_allocator_and_gather_pass():
-    check_block_allocator(CopiedAllocator)
+    check_block_allocator(BlockAllocator)
     check_paged_gather(lambda pool, table, n: paged_gather(pool, table, n))
 
 
 def test_the_library_handed_in_is_told_to_write_its_own():
-    expect_rejected(check_block_allocator, BlockAllocator, "kvlab.paged.BlockAllocator", "write your own")
-    expect_rejected(check_paged_gather, paged_gather, "kvlab.paged.paged_gather", "write your own")
+    expect_rejected(check_block_allocator, LibraryAllocator, "kvlab.paged.BlockAllocator", "write it yourself")
+    expect_rejected(check_paged_gather, library_gather, "kvlab.paged.paged_gather", "write it yourself")
+
+
+class CopiedMethods(LibraryAllocator):
+    """The library's methods bound into a class of the learner's (a subclass that re-types nothing)."""
+
+    allocate, fork, append_slot, free = (LibraryAllocator.allocate, LibraryAllocator.fork,
+                                         LibraryAllocator.append_slot, LibraryAllocator.free)
+
+
+class Forwarding:
+    """Composition: every method hands on to the library's allocator."""
+
+    def __init__(self, num_blocks, block_size):
+        self.inner = LibraryAllocator(num_blocks, block_size)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def test_the_library_one_step_removed_is_refused_by_what_runs():
+    """Issue 34, kind 1: an attribute chain in a lambda, a default argument, composition, a subclass;
+    each refused with the library function it ran, on the unit check AND on the end-to-end one."""
+    import kvlab.paged
+
+    lam = lambda pool, table, n: kvlab.paged.paged_gather(pool, table, n)         # noqa: E731
+    def default_arg(pool, table, n, _g=library_gather):
+        return _g(pool, table, n)
+    for gather in (lam, default_arg):
+        expect_rejected(check_paged_gather, gather, "ran kvlab.paged.paged_gather")
+        expect_rejected(lambda g: check_paged_generate(BlockAllocator, g), gather, "ran kvlab.paged.paged_gather")
+    expect_rejected(check_block_allocator, Forwarding, "ran kvlab.paged.BlockAllocator")
+    expect_rejected(lambda a: check_paged_generate(a, paged_gather), Forwarding, "ran kvlab.paged.BlockAllocator")
+    expect_rejected(check_block_allocator, CopiedMethods, "built on kvlab.paged.BlockAllocator")
+    expect_rejected(lambda a: check_paged_generate(a, paged_gather), CopiedMethods,
+                    "built on kvlab.paged.BlockAllocator")
 
 
 class NumpyIds(BlockAllocator):
@@ -165,17 +199,17 @@ def test_unusual_correct_gathers_pass(gather):
 
 
 def test_paged_generate_accepts_correct_pieces(tiny):
-    check_paged_generate(CopiedAllocator, gather_index_select)
+    check_paged_generate(BlockAllocator, gather_index_select)
     check_paged_generate(LifoTupleAllocator, gather_loop)
 
 
 def test_library_allocator_raises_when_full():
-    a = BlockAllocator(2, 4)
+    a = LibraryAllocator(2, 4)
     a.allocate("x", 8)
     with pytest.raises(OutOfBlocks, match="free"):
         a.append_slot("x")
     with pytest.raises(ValueError):
-        BlockAllocator(0, 4)
+        LibraryAllocator(0, 4)
 
 
 # ---------------------------------------------------------------------------------------------------

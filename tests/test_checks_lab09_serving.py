@@ -8,7 +8,7 @@ from kvlab.course.checks import check_prefix_cache, check_scheduler
 from kvlab.paged import OutOfBlocks
 from kvlab.serving import Batch, BlockManager, Scheduler, Status
 
-from utils import expect_rejected
+from utils import expect_rejected, own_copy
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -49,8 +49,16 @@ class IndexScheduler(Scheduler):
         return batch
 
 
+def _typed_in_schedule():
+    """The library's algorithm typed in by the learner (its source run outside kvlab), returning the
+    engine's Batch as the contract says."""
+    schedule = own_copy(Scheduler).schedule
+    schedule.__globals__["Batch"] = Batch
+    return schedule
+
+
 class Copied(Scheduler):
-    schedule = Scheduler.schedule          # the library's algorithm, typed in by the learner: correct
+    schedule = _typed_in_schedule()            # correct
 
 
 def test_correct_schedulers_pass(tiny):
@@ -59,8 +67,29 @@ def test_correct_schedulers_pass(tiny):
 
 
 def test_the_library_handed_in_is_refused():
-    expect_rejected(check_scheduler, Scheduler, "kvlab.serving.Scheduler's own", "write your own")
+    expect_rejected(check_scheduler, Scheduler, "does not define schedule itself", "write it yourself")
     expect_rejected(check_scheduler, int, "subclasses kvlab.serving.Scheduler")
+
+
+class Bound(Scheduler):
+    schedule = Scheduler.schedule          # the library's function bound in, not written
+
+
+class CallsSuper(Scheduler):
+    def schedule(self):                    # a trivial override: the library's decision runs
+        return super().schedule()
+
+
+class Forwards(Scheduler):
+    def schedule(self, _impl=Scheduler.schedule):      # the library's, as a default argument
+        return _impl(self)
+
+
+def test_the_library_one_step_removed_is_refused_by_what_runs():
+    """Issue 34, kind 1: a bound copy, a super() call, a default argument: refused, naming what ran."""
+    expect_rejected(check_scheduler, Bound, "does not define schedule itself")
+    for cls in (CallsSuper, Forwards):
+        expect_rejected(check_scheduler, cls, "ran kvlab.serving.scheduler.Scheduler.schedule", "write it yourself")
 
 
 def _variant(**changes):
@@ -70,6 +99,8 @@ def _variant(**changes):
         def schedule(self):
             batch, left = Batch(), self.max_tokens
             order = sorted(self.running, key=lambda s: s.to_compute > 1)
+            if changes.get("chunks_first"):
+                order = sorted(self.running, key=lambda s: s.to_compute == 1)
             if changes.get("skip_prefilling"):
                 order = [s for s in order if s.to_compute == 1]
             for seq in order:
@@ -101,7 +132,7 @@ def _variant(**changes):
                     n = min(seq.num_tokens, left)          # the cached tokens counted in n too
                 if changes.get("no_chunks") and n < seq.num_tokens - start:
                     break
-                if not self.blocks.can_hold(seq, start + n):
+                if not changes.get("grant_unasked") and not self.blocks.can_hold(seq, start + n):
                     break
                 self.grant(batch, seq, n)
                 left -= n
@@ -114,13 +145,17 @@ WRONG = [
     (_variant(oldest_victim=True), ["preempt the newest"]),
     (_variant(lose_tokens=True), ["preempted", "lost tokens"]),
     (_variant(skip_prefilling=True), ["starve a running request"]),
+    # issue 34, kind 7: prompt chunks before decodes, seen also when the step has no room left
+    (_variant(chunks_first=True), ["is decoding and got no token", "decoding come first"]),
+    # a raw OutOfBlocks from the learner's grant becomes a named failure
+    (_variant(grant_unasked=True), ["OutOfBlocks", "can_hold"]),
     (_variant(shortest_first=True), ["first come, first served"]),
     (_variant(no_chunks=True), ["left waiting", "chunks"]),
     (_variant(cached_counted_twice=True), ["left waiting", "from the prefix cache", "beyond cached_tokens"]),
 ]
 
 
-@pytest.mark.parametrize("impl,needles", WRONG, ids=["past-budget", "oldest-victim", "lost-tokens", "starves",
+@pytest.mark.parametrize("impl,needles", WRONG, ids=["past-budget", "oldest-victim", "lost-tokens", "starves", "chunks-first", "grant-unasked",
                                                       "overtakes", "no-chunks", "cached-twice"])
 def test_wrong_schedulers_rejected(impl, needles):
     expect_rejected(check_scheduler, impl, *needles)
@@ -200,16 +235,58 @@ class WalkCache(BlockManager):
         return b
 
 
+class EvictKeepsKeyOf(WalkCache):
+    def evict(self):                     # forgets the key in block_of, not in key_of: a stale entry
+        b = next(iter(self.cached))
+        del self.cached[b]
+        self.block_of.pop(self.key_of[b])
+        self.evictions += 1
+        return b
+
+
+class EvictKeepsBlockOfAfterReuse(WalkCache):
+    def evict(self):                     # forgets the block in block_of, keeps its old key in key_of
+        b = next(iter(self.cached))
+        del self.cached[b]
+        self.block_of = {k: v for k, v in self.block_of.items() if v != b}
+        self.evictions += 1
+        return b                         # key_of[b] still names the old key: b can never be registered again
+
+
+class LookupCountsHits(WalkCache):
+    def lookup(self, tokens):            # right blocks, but a lookup that moves a counter
+        found = super().lookup(tokens)
+        self.hits += bool(found)
+        return found
+
+
+def test_prefix_cache_policies():
+    """Issue 34, kind 7: an eviction that leaves a stale entry (the prefix never found again) and a
+    lookup that changes a counter are rejected, each named."""
+    expect_rejected(check_prefix_cache, EvictKeepsKeyOf, "in your evict", "both forget it")
+    expect_rejected(check_prefix_cache, EvictKeepsBlockOfAfterReuse, "found again", "no key at all")
+    expect_rejected(check_prefix_cache, LookupCountsHits, "lookup changed the cache", "hits")
+
+
 def test_correct_prefix_caches_pass():
     check_prefix_cache(WalkCache)
 
+    mine = own_copy(BlockManager)
+
     class Copied(BlockManager):
-        lookup, evict = BlockManager.lookup, BlockManager.evict
+        lookup, evict = mine.lookup, mine.evict      # typed in by the learner: correct
     check_prefix_cache(Copied)
 
 
 def test_the_library_block_manager_is_refused():
-    expect_rejected(check_prefix_cache, BlockManager, "kvlab's own", "write your own")
+    expect_rejected(check_prefix_cache, BlockManager, "does not define lookup, evict itself", "write it yourself")
+
+    class LookupForwards(BlockManager):
+        def lookup(self, tokens):
+            return BlockManager.lookup(self, tokens)
+
+        evict = own_copy(BlockManager).evict
+    expect_rejected(check_prefix_cache, LookupForwards, "ran kvlab.serving.block_manager.BlockManager.lookup")
 
 
 class KeepsOldKey(WalkCache):

@@ -1,6 +1,22 @@
 """Shared pieces of the graders: the grading model, fresh prompts, messages, and the guards every
 generation grader uses (a private copy of the model, a record of every forward call, a refused
-``model.generate``, a learner's exception wrapped with the call that raised it)."""
+``model.generate``, a learner's exception wrapped with the call that raised it).
+
+THE RULE of what a learner's code may run of kvlab (labs 7 on; chapters 10 and 11's labs follow it, and
+state it in their first cell as labs 7-9 do): a learner writes each exercise with Python, torch and
+transformers. Of kvlab, their code may run only (a) the tools, :data:`TOOL_MODULES` (loading,
+provenance, paths, timing, plots, progress, validate) and the cache interface ``kvlab.cache.Cache``
+(a base class a learner's cache may take), and (b) what the exercise hands over: the
+objects a grader passes in (the model, the engine's scheduler and block manager, a compiled step) and
+the functions a lab names as given. Nothing else of kvlab may run on behalf of their code: not the
+library's answer, not its other functions or classes, however reached (a lambda's attribute chain, a
+default argument, a class forwarding to the library's, a subclass inheriting its method, the pieces
+assembled in an end-to-end check). It is enforced by what RUNS (:class:`LibraryWatch`, a profiler over
+the whole check), not by names; a grader declares its ``given`` (and, where the exercise is to extend a
+library class, the ``graded`` methods the learner must define) in ``checks/__init__.py``'s ``_RULES``.
+A new grader adds its line there; its tests show the library one step removed refused and a learner's
+own copy of the library's code (``tests/conftest.own_copy``) accepted. Labs 1-6 still refuse by name
+(:func:`refuse_library`)."""
 
 from __future__ import annotations
 
@@ -8,6 +24,8 @@ import copy
 import functools
 import inspect
 import os
+import sys
+import contextlib
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -78,10 +96,25 @@ def learner_call(check: str, what: str, fn, *args, **kwargs):
     behalf) becomes a failure that names the call. A stub's NotImplementedError passes through."""
     try:
         return fn(*args, **kwargs)
-    except (GraderFailure, NotImplementedError):
+    except NotImplementedError as e:
+        if not _raised_by_torch(e):
+            raise                                          # a stub not filled in yet: shown as it is
+        raise fail(check, f"{what} raised NotImplementedError inside torch, not your stub: {str(e)[:300]}. An "
+                          "operation your code called is not available for these tensors (on the meta device "
+                          "an operation that reads values, like .item() or nonzero(), cannot run): compute "
+                          "with shapes and tensor operations only") from e
+    except GraderFailure:
         raise
     except Exception as e:  # noqa: BLE001 - the learner's error, explained
         raise fail(check, f"{what} raised {type(e).__name__}: {e}") from e
+
+
+def _raised_by_torch(e: BaseException) -> bool:
+    """True when the innermost Python frame of ``e`` is torch's (or Python's), not the learner's."""
+    tb, last = e.__traceback__, None
+    while tb is not None:
+        last, tb = tb.tb_frame, tb.tb_next
+    return last is not None and os.path.abspath(last.f_code.co_filename).startswith(_THIRD)
 
 
 def expect_value_error(check: str, what: str, fn, *args) -> None:
@@ -445,25 +478,39 @@ def _trimmed(failure: BaseException) -> BaseException:
     return failure
 
 
-def grader(check=None, *, own_work: bool = True):
-    """Decorate a ``check_*``: it refuses the library's own implementations (``own_work``) and, when
-    it fails, raises its verdict without the grader's frames in the traceback."""
+def grader(check=None, *, own_work: bool = True, given=None, graded=None):
+    """Decorate a ``check_*``: it refuses the library's own implementations (``own_work``: by name,
+    labs 1-6; ``given`` not None: by what runs, :class:`LibraryWatch`, labs 7 on) and, when it fails,
+    raises its verdict without the grader's frames in the traceback."""
     def wrap(check):
         @functools.wraps(check)
         def run(*args, **kwargs):
             __tracebackhide__ = True  # noqa: F841 - pytest and IPython hide this frame
+            handed = list(args) + list(kwargs.values())
+            watch = contextlib.nullcontext() if given is None else LibraryWatch(given)
             try:
-                if own_work:
-                    refuse_library(check.__name__, list(args) + list(kwargs.values()))
-                return check(*args, **kwargs)
+                if given is not None:
+                    refuse_handed_in(check.__name__, handed, graded)
+                elif own_work:
+                    refuse_library(check.__name__, handed)
+                with watch:
+                    out = check(*args, **kwargs)
+                ran = None if given is None else watch.verdict(check.__name__)
+                if ran is None:
+                    return out
+                verdict = ran
             except (GraderFailure, NotImplementedError) as e:
-                verdict = e
+                # the library's code run by the learner's is the root cause of any other failure
+                ran = None if given is None else watch.verdict(check.__name__)
+                verdict = e if ran is None else ran
             except Exception as e:  # noqa: BLE001 - what was handed in broke the grading itself
                 verdict = fail(check.__name__, f"grading stopped on {type(e).__name__}: {e}. What "
                                                "you handed in does not follow the contract the "
                                                "exercise describes (a missing method or "
                                                "attribute, another return type?)")
                 verdict.__cause__ = e
+                ran = None if given is None else watch.verdict(check.__name__)
+                verdict = verdict if ran is None else ran
             # The check failed. Its message, below, names the mistake and the fix; the grader's
             # own frames are cut from this traceback (what is left above is your code).
             raise _trimmed(verdict)
@@ -600,3 +647,160 @@ def confirmed(hypotheses, probes):
         if all(explains(p) for p in probes):
             return message
     return None
+
+
+# --------------------------------------------------- the rule: what a learner's code may run of kvlab
+
+_PACKAGE_DIR = os.path.dirname(_KVLAB_DIR)          # kvlab/ (the library); _KVLAB_DIR is kvlab/course
+_PARENT_DIR = os.path.dirname(_PACKAGE_DIR)
+
+# Modules that are tools, not answers: any learner's code may run them (loading a model, a banner,
+# timing, plots, a progress bar, input checks). The graders themselves (kvlab/course) count as tools.
+TOOL_MODULES = ("kvlab.loading", "kvlab.provenance", "kvlab.paths", "kvlab.timing", "kvlab.plots",
+                "kvlab.progress", "kvlab.validate", "kvlab.course")
+
+
+def _module_of(filename: str) -> str | None:
+    path = os.path.abspath(filename)
+    if not path.startswith(_PACKAGE_DIR + os.sep):
+        return None
+    name = os.path.relpath(path, _PARENT_DIR)[:-3].replace(os.sep, ".")
+    return name[:-len(".__init__")] if name.endswith(".__init__") else name
+
+
+def _third_party_dirs() -> tuple:
+    import sysconfig
+    paths = sysconfig.get_paths()
+    dirs = {os.path.abspath(paths[k]) for k in ("stdlib", "platstdlib", "purelib", "platlib") if k in paths}
+    import tempfile
+    dirs.add(os.path.join(tempfile.gettempdir(), "torchinductor_"))   # code torch generates
+    return tuple(sorted(dirs))
+
+
+_THIRD = _third_party_dirs()
+
+
+@functools.lru_cache(maxsize=4096)
+def place(filename: str) -> str:
+    """Whose code a file holds: ``"library"`` (kvlab's answers), ``"tool"`` (kvlab's tools and the
+    graders), ``"third"`` (Python, torch, transformers, code they generate) or ``"learner"``."""
+    module = _module_of(filename)
+    if module is not None:
+        return "tool" if module.startswith(TOOL_MODULES) else "library"
+    if filename.startswith("<"):
+        return "learner" if filename.startswith(("<own copy", "<ipython")) else "third"
+    return "third" if os.path.abspath(filename).startswith(_THIRD) else "learner"
+
+
+def _given_codes(given) -> set:
+    """The code objects of ``given``: functions, classes (every method of theirs and of their kvlab
+    bases), or ``(class, names)`` (every method but ``names``: the ones the exercise asks for)."""
+    codes = set()
+    for item in given:
+        cls, minus = item if isinstance(item, tuple) else (item, ())
+        if not inspect.isclass(cls):
+            codes.update(_codes(inspect.unwrap(cls).__code__))
+            continue
+        for klass in cls.__mro__:
+            if not _in_kvlab(klass.__module__):
+                continue
+            for name, value in vars(klass).items():
+                if name in minus:
+                    continue
+                for f in (getattr(value, "fget", None), getattr(value, "fset", None),
+                          getattr(value, "__func__", value)):
+                    if inspect.isfunction(f):
+                        codes.update(_codes(f.__code__))
+    return codes
+
+
+def _name_of(frame) -> str:
+    module = _module_of(frame.f_code.co_filename) or "?"
+    return f"{module}.{getattr(frame.f_code, 'co_qualname', frame.f_code.co_name)}"
+
+
+class LibraryWatch:
+    """THE RULE (labs 7 onward; chapters 10 and 11's labs follow it): a learner's code may run, of
+    kvlab, only (a) the tools (:data:`TOOL_MODULES`), (b) what the exercise hands over (the model,
+    the engine's objects, a function the lab names as given) and (c) nothing else: not the library's
+    answer to the exercise, nor any other kvlab function or class. It is enforced by what RUNS, not
+    by names: while active, every entry into kvlab's code is recorded when the nearest frame above
+    it that is not Python's, torch's or transformers' is the learner's (a lambda, a default
+    argument, a class forwarding to the library's, a call through torch), or when it runs as a
+    method of an object of the learner's class (a subclass that inherits the library's method).
+    ``given``: see :func:`_given_codes`."""
+
+    def __init__(self, given=()):
+        from kvlab.cache import Cache       # the one cache interface: a learner's cache may take it as a base
+        self.given = _given_codes(tuple(given) + (Cache,))
+        self.ran: list[tuple[str, str]] = []        # (library function, the learner's line that ran it)
+
+    def _profile(self, frame, event, arg):
+        if event != "call":
+            return
+        code = frame.f_code
+        if place(code.co_filename) != "library" or code in self.given:
+            return
+        caller = frame.f_back
+        while caller is not None and place(caller.f_code.co_filename) == "third":
+            caller = caller.f_back
+        if caller is not None and place(caller.f_code.co_filename) == "learner":
+            where = f"{caller.f_code.co_name} (line {caller.f_lineno})"
+        elif code.co_argcount and code.co_varnames[0] in ("self", "cls"):
+            obj = frame.f_locals.get(code.co_varnames[0])
+            klass = obj if inspect.isclass(obj) else type(obj)
+            if _in_kvlab(klass.__module__) or klass.__module__ in ("builtins", None):
+                return
+            where = f"your class {klass.__qualname__} (it inherits this method)"
+        else:
+            return
+        if len(self.ran) < 8 and (_name_of(frame), where) not in self.ran:
+            self.ran.append((_name_of(frame), where))
+
+    def __enter__(self):
+        self._previous = sys.getprofile()
+        sys.setprofile(self._profile)
+        return self
+
+    def __exit__(self, *exc):
+        sys.setprofile(self._previous)
+        return False
+
+    def verdict(self, check: str) -> GraderFailure | None:
+        if not self.ran:
+            return None
+        name, where = self.ran[0]
+        return fail(check, f"your code ran {name}, the library's own code, from {where}. The rule of "
+                           "these labs: write it yourself with Python, torch and transformers; "
+                           "of kvlab, use only what the exercise hands you and the tools (loading, "
+                           "provenance, timing, plots, progress, validate) -- not the library's answer, "
+                           "not its other functions or classes, not through a wrapper, a subclass or a "
+                           "default argument")
+
+
+def refuse_handed_in(check: str, args, graded=None) -> None:
+    """A kvlab function handed in (or a partial, bound method, wraps of one) is refused; so is a
+    class handed in that inherits a concrete kvlab class, except a subclass of the
+    class an exercise says to extend (``graded``: {library class: names the learner must write}),
+    which must define every one of those names itself."""
+    graded = graded or {}
+    for a in args:
+        if not inspect.isclass(a):
+            if (inspect.isfunction(a) or inspect.ismethod(a) or inspect.isbuiltin(a)
+                    or isinstance(a, functools.partial)) and library_origin(a) is not None:
+                raise fail(check, f"you handed in {library_origin(a)}, the library's own function. "
+                                  "The exercise is to write it yourself")
+            continue
+        for base, names in graded.items():
+            if issubclass(a, base):
+                missing = [n for n in names if getattr(a, n, None) is getattr(base, n, None)]
+                if missing:
+                    raise fail(check, f"your class {a.__qualname__} does not define {', '.join(missing)} "
+                                      f"itself: it inherits {base.__module__}.{base.__qualname__}'s. The "
+                                      "exercise is to write it yourself")
+                break
+        else:
+            where = library_origin(a)
+            if where is not None:
+                raise fail(check, f"you handed in {a.__qualname__}, built on {where}, the library's own "
+                                  "class. The exercise is to write it yourself (Python and torch)")

@@ -434,8 +434,10 @@ _UNIT = {torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11}
 
 def _check_low_precision(attention, gen) -> None:
     for dt, unit in _UNIT.items():
-        q, k, v = (torch.randn(2, 2, 3, 8, generator=gen).to(dt) for _ in range(3))
-        where = f"{dt} inputs [2, 2, 3, 8], past_len=1"
+        # the contract's shapes: k and v hold past_len + T positions (a learner may take past_len = S - T)
+        q = torch.randn(2, 2, 3, 8, generator=gen).to(dt)
+        k, v = (torch.randn(2, 2, 4, 8, generator=gen).to(dt) for _ in range(2))
+        where = f"{dt} inputs q [2, 2, 3, 8], k/v [2, 2, 4, 8], past_len=1"
         out = _attention_output(attention, q, k, v, 1, where)
         err = (out.double() - reference_attention(q, k, v, 1)).abs().max().item()
         tol = TOL_UNITS * unit * v.double().abs().max().item()

@@ -508,6 +508,45 @@ def _one_graph_or_fail(where, counter, breaks, StaticKVCache, static_attention, 
     raise fail(NAME_COMPILE, f"{problem} {_probe(StaticKVCache, static_attention, model) or _NO_REASON}")
 
 
+@functools.lru_cache(maxsize=1)
+def _other_model():
+    """A random GPT-2 unlike kvlab-tiny: float64, 3 heads of 24 (a hard-coded head size, scale or dtype
+    shows), with transformers' model beside the hand-built one."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    hf = GPT2LMHeadModel(GPT2Config(vocab_size=120, n_positions=64, n_embd=72, n_layer=2, n_head=3,
+                                    bos_token_id=0, eos_token_id=0)).to(torch.float64).eval()
+    return hf, GPT2.from_hf(hf)
+
+
+def _on_other_model(StaticKVCache, static_attention) -> None:
+    """Both pieces in the other model, eagerly: a prompt of 5, then one decode step; the logits must
+    equal transformers' (float64, to 1e-9): end to end, on what kvlab-tiny has in common with it."""
+    hf, model = _other_model()
+    ids = torch.tensor([[5, 17, 99, 3, 42], [7, 7, 61, 118, 0]])
+    dec = learner_call(NAME_COMPILE, "StaticDecoder with your pieces on a float64 GPT-2 (3 heads of 24)",
+                       StaticDecoder, model, batch_size=2, max_len=16, cache_cls=StaticKVCache,
+                       attention_fn=static_attention)
+    wrong = misplaced(held_tensors(getattr(dec.cache, "inner", dec.cache)), "cpu", torch.float64)
+    if wrong:
+        raise fail(NAME_COMPILE, f"on a float64 GPT-2 your StaticKVCache holds {', '.join(wrong[:2])}: it was asked "
+                                 "for float64 (its dtype argument); build the buffers in the dtype it is given")
+    with torch.no_grad():
+        learner_call(NAME_COMPILE, "reset()", dec.cache.reset)
+        got = learner_call(NAME_COMPILE, "the prefill", dec.model, ids, dec.cache)
+        nxt = got[:, -1].argmax(-1, keepdim=True)
+        step = learner_call(NAME_COMPILE, "a decode step", dec.model, nxt, dec.cache)
+        want = hf(torch.cat([ids, nxt], 1)).logits
+    for what, g, w in (("the prompt's logits", got, want[:, :5]), ("a decode step's logits", step[:, -1], want[:, -1])):
+        if g.dtype != torch.float64 or not torch.allclose(g, w, rtol=0, atol=1e-9):
+            err = (g.double() - w).abs().max().item()
+            raise fail(NAME_COMPILE, f"on a float64 GPT-2 with 3 heads of 24 (kvlab-tiny has another head size), "
+                                     f"{what} with your pieces are {g.dtype}, off transformers' by up to {err:.2g}: "
+                                     "something in your cache or attention is fixed to kvlab-tiny (a head size, a "
+                                     "scale, a dtype) instead of read from the tensors")
+
+
 def check_no_recompile(StaticKVCache, static_attention, steps: int = 50) -> None:
     """Your pieces in :class:`kvlab.static.StaticDecoder` (the hand-built GPT-2, batch 2), the decode
     step compiled with ``torch.compile(backend="aot_eager", dynamic=False)``: ``steps`` decode steps,
@@ -543,8 +582,10 @@ def check_no_recompile(StaticKVCache, static_attention, steps: int = 50) -> None
             row = int((out != want).any(1).nonzero()[0])
             raise fail(NAME_COMPILE, f"{where}: row {row} differs from transformers' greedy tokens. "
                                      "Run check_static_cache and check_static_attention first")
+    _on_other_model(StaticKVCache, static_attention)
     passed(NAME_COMPILE, f"GPT2 with your pieces, compiled: {steps} decode steps then a second prompt, "
-                         "transformers' greedy tokens, 1 graph compiled, 0 graph breaks (torch's counters)")
+                         "transformers' greedy tokens, 1 graph compiled, 0 graph breaks (torch's counters); "
+                         "eagerly on a float64 GPT-2 with another head size, transformers' logits")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -639,6 +680,36 @@ def _loop_cases(tok):
             ("max_new_tokens=0", batch((0, 5), 5), 0)]
 
 
+def _judge_loop(where, out, want, shape, calls, step, counter, before) -> None:
+    """One case of :func:`check_static_generate`: the shape, the prefill, the steps, the graphs, the tokens."""
+    from torch._dynamo.utils import counters
+
+    B, T, n = shape
+    if not isinstance(out, torch.Tensor) or out.dtype != torch.long or list(out.shape) != [B, T + n]:
+        got = (f"{out.dtype} {list(out.shape)}" if isinstance(out, torch.Tensor) else type(out).__name__)
+        raise fail(NAME_LOOP, f"{where}: return a LongTensor [B, T + max_new_tokens] = {[B, T + n]} (the "
+                              f"prompt, then the new tokens), got {got}")
+    if n and not calls:
+        raise fail(NAME_LOOP, f"{where}: no prefill: run the prompt once, eagerly, model(input_ids, cache, "
+                              "last_only=True); its last logits give the first new token")
+    if n >= 2 and step.calls != n - 1:
+        raise fail(NAME_LOOP, f"{where}: step called {step.calls} times; max_new_tokens={n} takes {n - 1} "
+                              "(the prefill gives the first new token, each step one more)")
+    breaks = {r: c for r, c in counters["graph_break"].items() if c > before.get(r, 0)}
+    if counter.frame_count > 1 or breaks:
+        raise fail(NAME_LOOP, f"{where}: torch compiled {counter.frame_count} graphs"
+                              + (f" and counted graph breaks ({'; '.join(breaks)[:200]})" if breaks else "")
+                              + ": one graph for every step of every prompt was expected. " + _NO_REASON)
+    if not torch.equal(out.cpu(), want):
+        row = int((out.cpu() != want).any(1).nonzero()[0])
+        i = first_difference(out[row].cpu(), want[row])
+        raise fail(NAME_LOOP, f"{where}: row {row}, token {i} (new token #{i - T + 1}) is {int(out[row, i])}, "
+                              f"transformers' greedy token is {int(want[row, i])}"
+                              + (": the first new token is the argmax of the prefill's last logits"
+                                 if i == T else ": the next ids are step's return value, fed back as "
+                                 "[B, 1] at the next position"))
+
+
 def check_static_generate(static_generate) -> None:
     """Grade ``static_generate(model, cache, step, input_ids, max_new_tokens) -> [B, T + n]``: reset
     the cache, the prompt eagerly through ``model(input_ids, cache, last_only=True)``, then every
@@ -647,7 +718,6 @@ def check_static_generate(static_generate) -> None:
     (two prompts of different lengths), no graph break. Calls ``torch._dynamo.reset()`` first."""
     from torch._dynamo.testing import CompileCounter
     from torch._dynamo.utils import counters
-
 
     hf, tok = grading_model()
     model = GPT2.from_hf(hf)
@@ -666,29 +736,7 @@ def check_static_generate(static_generate) -> None:
         with _quiet_dynamo(), torch._dynamo.config.patch(recompile_limit=3):
             out = learner_call(NAME_LOOP, f"{where}: static_generate(model, cache, step, <[{B}, {T}]>, {n})",
                                static_generate, mine, cache, step, ids.clone(), n)
-        if not isinstance(out, torch.Tensor) or out.dtype != torch.long or list(out.shape) != [B, T + n]:
-            got = (f"{out.dtype} {list(out.shape)}" if isinstance(out, torch.Tensor) else type(out).__name__)
-            raise fail(NAME_LOOP, f"{where}: return a LongTensor [B, T + max_new_tokens] = {[B, T + n]} (the "
-                                  f"prompt, then the new tokens), got {got}")
-        if n and not calls:
-            raise fail(NAME_LOOP, f"{where}: no prefill: run the prompt once, eagerly, model(input_ids, cache, "
-                                  "last_only=True); its last logits give the first new token")
-        if n >= 2 and step.calls != n - 1:
-            raise fail(NAME_LOOP, f"{where}: step called {step.calls} times; max_new_tokens={n} takes {n - 1} "
-                                  "(the prefill gives the first new token, each step one more)")
-        breaks = {r: c for r, c in counters["graph_break"].items() if c > before.get(r, 0)}
-        if counter.frame_count > 1 or breaks:
-            raise fail(NAME_LOOP, f"{where}: torch compiled {counter.frame_count} graphs"
-                                  + (f" and counted graph breaks ({'; '.join(breaks)[:200]})" if breaks else "")
-                                  + ": one graph for every step of every prompt was expected. " + _NO_REASON)
-        if not torch.equal(out.cpu(), want):
-            row = int((out.cpu() != want).any(1).nonzero()[0])
-            i = first_difference(out[row].cpu(), want[row])
-            raise fail(NAME_LOOP, f"{where}: row {row}, token {i} (new token #{i - T + 1}) is {int(out[row, i])}, "
-                                  f"transformers' greedy token is {int(want[row, i])}"
-                                  + (": the first new token is the argmax of the prefill's last logits"
-                                     if i == T else ": the next ids are step's return value, fed back as "
-                                     "[B, 1] at the next position"))
+        _judge_loop(where, out, want, (B, T, n), calls, step, counter, before)
     passed(NAME_LOOP, "two prompts of different lengths (and 1 and 0 new tokens) through your loop: transformers' "
                       f"greedy tokens, {counter.frame_count} graph compiled for every step, 0 graph breaks "
                       "(torch's counters), the prompt eager, the position a tensor")
@@ -698,49 +746,81 @@ def check_static_generate(static_generate) -> None:
 # why reset() zeroes the buffers
 
 
+_NAN_WHY = {("keys", False): "your attention replaces the hidden slots' scores (masked_fill with -inf or a where): "
+                             "the NaN score is gone before the softmax, its weight is exactly 0",
+            ("keys", True): "the NaN score survives the mask (an additive mask: NaN + (-inf) is NaN; "
+                            "scaled_dot_product_attention adds its mask too), and one NaN score makes the whole "
+                            "softmax row NaN",
+            ("values", True): "the weight of slot 6 is exactly 0, but weights @ v still multiplies it in: "
+                              "0 * NaN = NaN, in every output of that row",
+            ("values", False): "your attention never multiplies the hidden slots' values (you zero or drop them)"}
+
+
+def _nan_truth(static_attention) -> dict:
+    """What the learner's attention does with a NaN in hidden slot 6 (pos=3), on two inputs (batch 1
+    and batch 2 with 3 heads: one coincidence decides nothing), after it is shown right on clean ones
+    (an attention that returns zeros, or anything finite, would make every prediction 'finite')."""
+    gen, truth = torch.Generator().manual_seed(8208), {}
+    for B, H, D in ((1, 2, 8), (2, 3, 16)):
+        q = torch.randn(B, H, 1, D, generator=gen)
+        k, v = torch.randn(B, H, 8, D, generator=gen), torch.randn(B, H, 8, D, generator=gen)
+        clean = learner_call(NAME_NAN, "static_attention on clean keys and values", static_attention, q, k, v,
+                             torch.tensor(3))
+        if not torch.allclose(clean.double(), reference_static_attention(q, k, v, 3), atol=1e-5):
+            raise fail(NAME_NAN, "your static_attention is wrong on clean inputs (no NaN anywhere), so what it "
+                                 "does with a NaN says nothing: pass check_static_attention first")
+        for what in ("keys", "values"):
+            kk, vv = k.clone(), v.clone()
+            (kk if what == "keys" else vv)[:, :, 6] = float("nan")
+            out = learner_call(NAME_NAN, f"static_attention with a NaN in slot 6's {what}", static_attention, q,
+                               kk, vv, torch.tensor(3))
+            truth.setdefault(what, set()).add(bool(torch.isnan(out).any()))
+    return {what: seen.pop() if len(seen) == 1 else None for what, seen in truth.items()}
+
+
+def _reset_clears(StaticKVCache, static_attention) -> None:
+    """A NaN written in the LAST of three layers by an earlier prompt, reset(), 4 new tokens in every
+    layer: every layer's output must be finite (a reset that zeroes one layer, or forgets only the
+    position, leaves it)."""
+    gen, L = torch.Generator().manual_seed(8209), 3
+    cache = learner_call(NAME_NAN, "StaticKVCache(3, 1, 2, 8, 8, float32, 'cpu')", StaticKVCache, L, 1, 2, 8, 8,
+                         torch.float32, "cpu")
+    nan = torch.full((1, 2, 1, 8), float("nan"))
+    learner_call(NAME_NAN, "update of a NaN at slot 6 of layer 2", cache.update, L - 1, nan, nan.clone(),
+                 torch.tensor(6))
+    learner_call(NAME_NAN, "reset()", cache.reset)
+    q = torch.randn(1, 2, 1, 8, generator=gen)
+    for layer in range(L):
+        k, v = torch.randn(1, 2, 4, 8, generator=gen), torch.randn(1, 2, 4, 8, generator=gen)
+        keys, values = learner_call(NAME_NAN, f"update of 4 tokens at pos=0, layer {layer}", cache.update, layer,
+                                    k, v, torch.tensor(0))
+        out = learner_call(NAME_NAN, "static_attention after reset()", static_attention, q, keys, values,
+                           torch.tensor(3))
+        if torch.isnan(out).any():
+            raise fail(NAME_NAN, f"a NaN written at slot 6 of layer {L - 1} by an earlier prompt, then reset(), then 4 "
+                                 f"new tokens: your attention's output for layer {layer} is NaN. reset() left the "
+                                 "NaN in the buffer, hidden but still multiplied by its weight 0: zero the buffers "
+                                 "in reset(), every layer's keys and values, not only the position")
+
+
 def check_hidden_nan(StaticKVCache, static_attention, nan_in_keys, nan_in_values) -> None:
     """Grade a prediction: a NaN left in a slot the mask hides (slot 6; the new token at pos=3), in the
     keys (``nan_in_keys``) or in the values (``nan_in_values``): is the output NaN? Judged against what
-    the learner's own attention does; then the learner's cache, NaN written, reset(), refilled, must give
-    a finite output (that is why reset() zeroes the buffers)."""
+    the learner's own attention does (once it is shown right on clean inputs); then the learner's
+    cache, NaN written in its last layer, reset(), refilled, must give a finite output in every layer."""
     for name, value in (("nan_in_keys", nan_in_keys), ("nan_in_values", nan_in_values)):
         if not isinstance(value, bool):
             raise fail(NAME_NAN, f"{name} must be True (the output has NaN) or False, got {value!r}")
-    gen = torch.Generator().manual_seed(8208)
-    q = torch.randn(1, 2, 1, 8, generator=gen)
-    k, v = torch.randn(1, 2, 8, 8, generator=gen), torch.randn(1, 2, 8, 8, generator=gen)
-    truth = {}
-    for what in ("keys", "values"):
-        kk, vv = k.clone(), v.clone()
-        (kk if what == "keys" else vv)[:, :, 6] = float("nan")
-        out = learner_call(NAME_NAN, f"static_attention with a NaN in slot 6's {what}", static_attention, q, kk,
-                           vv, torch.tensor(3))
-        truth[what] = bool(torch.isnan(out).any())
-    why = {("keys", False): "your attention replaces the hidden slots' scores (masked_fill with -inf or a "
-                            "where): the NaN score is gone before the softmax, its weight is exactly 0",
-           ("keys", True): "the NaN score survives the mask (an additive mask: NaN + (-inf) is NaN; "
-                           "scaled_dot_product_attention adds its mask too), and one NaN score makes the whole "
-                           "softmax row NaN",
-           ("values", True): "the weight of slot 6 is exactly 0, but weights @ v still multiplies it in: "
-                             "0 * NaN = NaN, in every output of that row",
-           ("values", False): "your attention never multiplies the hidden slots' values (you zero or drop them)"}
+    truth = _nan_truth(static_attention)
     for what, said in (("keys", nan_in_keys), ("values", nan_in_values)):
+        if truth[what] is None:
+            raise fail(NAME_NAN, f"with a NaN in slot 6's {what}, your attention's output is NaN on one input and "
+                                 "finite on another: it depends on something besides the mask")
         if said != truth[what]:
             raise fail(NAME_NAN, f"NaN in slot 6's {what}, new token at pos=3 (slot 6 hidden): you predicted "
                                  f"{'NaN' if said else 'a finite output'}, your attention gives "
-                                 f"{'NaN' if truth[what] else 'a finite output'}: {why[what, truth[what]]}")
-    cache = StaticKVCache(1, 1, 2, 8, 8, torch.float32, "cpu")
-    nan = torch.full((1, 2, 1, 8), float("nan"))
-    learner_call(NAME_NAN, "update of a NaN at slot 6", cache.update, 0, nan, nan.clone(), torch.tensor(6))
-    learner_call(NAME_NAN, "reset()", cache.reset)
-    keys, values = learner_call(NAME_NAN, "update of 4 tokens at pos=0", cache.update, 0, k[:, :, :4].clone(),
-                                v[:, :, :4].clone(), torch.tensor(0))
-    out = learner_call(NAME_NAN, "static_attention after reset()", static_attention, q, keys, values,
-                       torch.tensor(3))
-    if torch.isnan(out).any():
-        raise fail(NAME_NAN, "a NaN written at slot 6 by an earlier prompt, then reset(), then 4 new tokens: your "
-                             "attention's output is NaN. reset() left the NaN in the buffer, hidden but still "
-                             "multiplied by its weight 0: zero the buffers in reset() (buffer.zero_())")
+                                 f"{'NaN' if truth[what] else 'a finite output'}: {_NAN_WHY[what, truth[what]]}")
+    _reset_clears(StaticKVCache, static_attention)
     passed(NAME_NAN, f"a NaN in a hidden slot: keys -> {'NaN' if truth['keys'] else 'finite'}, values -> "
                      f"{'NaN' if truth['values'] else 'finite'}, as you predicted; after reset() your cache's zeros "
-                     "keep the output finite")
+                     "keep the output finite in every layer")

@@ -20,6 +20,7 @@ from ._common import fail, passed
 from ._fake import FakeLM, fake_reference
 from .lab09 import library_copy
 from kvlab.gpt2 import GPT2
+from kvlab.paged import OutOfBlocks
 from kvlab.serving import Batch, Engine, Sequence, Status
 from kvlab.serving import BlockManager as LibraryBlockManager
 from kvlab.serving import Scheduler as LibraryScheduler
@@ -118,7 +119,7 @@ def _verify_victims(sch, snap, batch, where) -> None:
         if newer:
             raise fail(NAME_SCHED, f"{where}: you preempted request {v.rid} while request {newer[-1].rid}, admitted "
                                    f"after it, held blocks and had not run in this step: preempt the newest running "
-                                   "sequence not yet scheduled (reversed(self.running)), so the oldest are never starved")
+                                   "sequence not yet scheduled (the last admitted), so the oldest are never starved")
     if victims and snap["need"] <= snap["free"]:
         raise fail(NAME_SCHED, f"{where}: you preempted {[v.rid for v in victims]} although the {snap['free']} free "
                                f"blocks could hold every running sequence's next tokens ({snap['need']} blocks): "
@@ -134,6 +135,13 @@ def _verify_fairness(sch, snap, batch, where, total) -> None:
         raise fail(NAME_SCHED, f"{where}: request {left_out[0].rid} was running and got no token because the pool could "
                                "not hold it, and nothing was preempted: when blocks.can_hold(...) is False, preempt the "
                                "newest running sequence that has not run in this step (self.preempt) and try again")
+    ran = {id(s) for s, _ in batch.work}
+    chunk = next((s for s, _ in batch.work if s.to_compute > 1 and any(s is r for r in snap["running"])), None)
+    decode = next((s for s in left_out if s.to_compute == 1), None)
+    if chunk is not None and decode is not None and id(decode) not in ran:
+        raise fail(NAME_SCHED, f"{where}: request {decode.rid} is decoding and got no token while request {chunk.rid}'s "
+                               "prompt ran a chunk: running sequences that are decoding come first (one token each), "
+                               "those still in their prompt share what is left of the budget")
     if left_out and room:
         raise fail(NAME_SCHED, f"{where}: request {left_out[0].rid} was running and got no token although the step had "
                                f"room for {sch.max_tokens - total} more tokens: you starve a running request; every "
@@ -186,6 +194,11 @@ def _graded_class(Scheduler, title):
                 batch = Scheduler.schedule(self)
             except (AssertionError, NotImplementedError):
                 raise
+            except OutOfBlocks as e:
+                raise fail(NAME_SCHED, f"case '{title}', step {Graded.step}: your schedule() asked self.grant for "
+                                       f"blocks the pool did not have (OutOfBlocks: {e}): ask self.blocks.can_hold("
+                                       "seq, upto) before granting; when it says no, preempt by rule 2 or stop "
+                                       "admitting by rule 3") from None
             except Exception as e:  # noqa: BLE001
                 raise fail(NAME_SCHED, f"case '{title}', step {Graded.step}: your schedule() raised "
                                        f"{type(e).__name__}: {e}") from e
@@ -267,7 +280,11 @@ def _fill(bm, rid, tokens):
 
 
 def _state(bm) -> tuple:
-    return (list(bm.cached), list(bm.key_of), dict(bm.block_of), [bm.refcount(b) for b in range(bm.num_blocks)])
+    """Everything a lookup must leave as it was: the cache's order, keys, counts, and every counter
+    (hits, hit tokens, evictions: any number the block manager keeps)."""
+    counters = {k: v for k, v in vars(bm).items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    return (list(bm.cached), list(bm.key_of), dict(bm.block_of), [bm.refcount(b) for b in range(bm.num_blocks)],
+            counters)
 
 
 def _lookup(bm, tokens, where):
@@ -279,7 +296,8 @@ def _lookup(bm, tokens, where):
     except Exception as e:  # noqa: BLE001
         raise fail(NAME_PREFIX, f"{where}: lookup raised {type(e).__name__}: {e}") from e
     if _state(bm) != before:
-        raise fail(NAME_PREFIX, f"{where}: lookup changed the cache (its order, keys or counts): a lookup only reads; "
+        raise fail(NAME_PREFIX, f"{where}: lookup changed the cache (its order, keys, reference counts or a counter such as "
+                                "hits or evictions): a lookup only reads; "
                                 "the block manager forks the hits itself when it admits the sequence")
     if not isinstance(got, (list, tuple)):
         raise fail(NAME_PREFIX, f"{where}: lookup must return a list of block ids, got {got!r}")
@@ -309,7 +327,23 @@ def _prefix_scenarios(BlockManager):
     d = _fill(bm, "D", D)                                # evicts more of A and reuses its blocks for D's tokens
     yield "an evicted block, reused for other tokens, never found by its old key",         [b for b in _lookup(bm, A + [5], "lookup(A + one token) after its blocks were reused") if b in d.block_table], []
     yield "a block held by a running sequence is never evicted", sorted(set(d.block_table) & set(bm.cached)), []
+    blocks_d = list(d.block_table)
     bm.free(d)
+    yield "a prompt registered in blocks that were evicted is found again", \
+        _lookup(bm, D + [1], "lookup(D + one token), D's blocks reused from evicted ones"), blocks_d[:3]
+
+
+def _raised_in(e) -> str:
+    """Which of the learner's methods raised, and, for a KeyError in evict, the mistake it shows."""
+    tb, where = e.__traceback__, None
+    while tb is not None:
+        if tb.tb_frame.f_code.co_name in ("lookup", "evict"):
+            where = tb.tb_frame.f_code.co_name
+        tb = tb.tb_next
+    if where == "evict" and isinstance(e, KeyError):
+        return (": in your evict, a key no longer in self.block_of. An earlier eviction forgot a block's key in one "
+                "place and not the other (self.block_of and self.key_of must both forget it)")
+    return f": in your {where}" if where else ""
 
 
 def check_prefix_cache(BlockManager) -> None:
@@ -328,7 +362,8 @@ def check_prefix_cache(BlockManager) -> None:
     except (AssertionError, NotImplementedError):
         raise
     except Exception as e:  # noqa: BLE001
-        raise fail(NAME_PREFIX, f"your block manager raised {type(e).__name__}: {e} (after {n} probe(s))") from e
+        raise fail(NAME_PREFIX, f"your block manager raised {type(e).__name__}: {e} (after {n} probe(s))"
+                                + _raised_in(e)) from e
     eng = _serve_prefixes(BlockManager)
     passed(NAME_PREFIX, f"{n} probes of lookup and eviction, then a prefix-heavy stream ({eng.blocks.hits} hits, "
                         f"{eng.blocks.evictions} evictions): every request equal to its prompt alone")
@@ -337,16 +372,19 @@ def check_prefix_cache(BlockManager) -> None:
 _PREFIX_HINTS = {
     "a prompt that starts with a cached one": "Walk the prompt's full blocks in order with their chained keys "
         "(self._keys) and stop at the first miss.",
-    "a prompt that is exactly 3 cached blocks (its last token must still run)": "Look up tokens[:-1]: the last "
-        "token's logits are the first output, so at least that token must run.",
+    "a prompt that is exactly 3 cached blocks (its last token must still run)": "A full-block match "
+        "must leave the prompt's last token out: its logits are the first output, so at least that token must run.",
     "a block whose tokens match but whose prefix does not": "A key must name the whole prefix (tokens and the "
         "parent's key), not the block's tokens alone; and stop at the first miss.",
     "the least recently used block evicted first (A's tail)": "evict() takes the least recently used unreferenced "
-        "block: self.cached is ordered oldest first (popitem(last=False)).",
+        "block: self.cached is ordered least recently used first, and you took the other end.",
     "the most recently used prompt kept": "evict() takes the least recently used unreferenced block.",
     "an evicted block, reused for other tokens, never found by its old key": "You find an evicted block by its old "
         "key: forget the key (self.block_of and self.key_of) when you evict the block.",
     "a block held by a running sequence is never evicted": "Only unreferenced cached blocks (self.cached) are evicted.",
+    "a prompt registered in blocks that were evicted is found again": "An evicted block kept a trace of its old "
+        "key (in self.key_of or self.block_of), so it could not be registered under its new tokens: evict() must "
+        "leave the block with no key at all.",
 }
 
 
