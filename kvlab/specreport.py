@@ -31,13 +31,18 @@ def table(r: dict) -> None:
     formats = {"alpha": ".2f", "tokens/step": ".2f", "E(alpha,k)": ".2f", "c": ".3f", "V(k)": ".2f",
                "V floor": ".2f", "k*c+V(k)": ".2f", "predicted": ".2f", "measured": ".2f",
                "step cost (clock)": ".2f"}
-    show(rows(r), formats=formats, caption=(
-        f"{r['label']}; {verdicts.on(r['device'])}. alpha and tokens/step: counts over "
-        f"{r['sizes']['prompts']} held-out prompts x {r['sizes']['new']} new tokens; E(alpha,k) and "
-        "'predicted' use the draft's alpha pooled over every k; 'measured': plain greedy time / "
-        "speculative time, medians of one interleaved run (blank: not timed); 'step cost (clock)': what a "
-        "target step really cost in decode steps (tokens/step x measured time ratio; prefill and the loop's "
-        "own bookkeeping included), beside the parts' k*c + V(k)."))
+    rs = rows(r)
+    accept = ["draft", "k", "alpha", "tokens/step", "E(alpha,k)", "same tokens"]
+    cost = ["draft", "k", "c", "V(k)", "V floor", "k*c+V(k)", "predicted", "measured", "step cost (clock)"]
+    show(rs, columns={c: c for c in accept}, formats=formats, caption=(
+        f"Acceptance. {r['label']}; {verdicts.on(r['device'])}. alpha and tokens/step: counts over "
+        f"{r['sizes']['prompts']} held-out prompts x {r['sizes']['new']} new tokens; E(alpha,k): the "
+        "theory's tokens per step from the draft's alpha pooled over every k."))
+    show(rs, columns={c: c for c in cost}, formats=formats, caption=(
+        "Cost and speed-up, same run. 'predicted' uses the pooled alpha with the measured c and V(k); "
+        "'measured': plain greedy time / speculative time, medians of one interleaved run (blank: not "
+        "timed); 'step cost (clock)': what a target step really cost in decode steps (tokens/step x "
+        "measured time ratio; prefill and the loop's own bookkeeping included), beside k*c + V(k)."))
 
 
 def plot(r: dict, model) -> None:
