@@ -133,6 +133,20 @@ def shared_basis(outputs: torch.Tensor, n_kv_head: int, head_dim: int) -> torch.
 
 
 @torch.no_grad()
+def conversion_inputs(model: GPT2, method: str, methods: tuple, calibration) -> list:
+    """The checks every conversion of chapter 11 makes before any work (a known ``method``, calibration
+    text for ``"pca"``, an unconverted model), then each layer's calibration input (None per layer when
+    ``method`` needs none). Shared by :func:`convert` here and :func:`kvlab.latent.convert`."""
+    cfg = model.config
+    if method not in methods:
+        raise ValueError(f"method must be one of {methods}, got {method!r}")
+    if method == "pca" and calibration is None:
+        raise ValueError("method='pca' needs calibration token ids [B, T] (text apart from the evaluation text)")
+    if cfg.cache_dims() != (cfg.n_head, cfg.head_dim):
+        raise ValueError("convert() takes a GPT-2 with one key/value head per query head (an unconverted model)")
+    return calibration_inputs(model, calibration) if method == "pca" else [None] * cfg.n_layer
+
+
 def calibration_inputs(model: GPT2, ids: torch.Tensor) -> list[torch.Tensor]:
     """Each layer's normed attention input ``ln_1(x)`` ``[N, C]`` on the token ids ``ids`` ``[B, T]``
     (calibration text, kept apart from the evaluation text)."""
@@ -179,13 +193,7 @@ def convert(model: GPT2, n_kv_head: int, method: str = "mean", calibration: torc
     ``"pca"`` needs ``calibration`` token ids ``[B, T]``. The original is left untouched."""
     cfg = model.config
     check_groups(cfg.n_head, n_kv_head)
-    if method not in METHODS:
-        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
-    if method == "pca" and calibration is None:
-        raise ValueError("method='pca' needs calibration token ids [B, T] (text apart from the evaluation text)")
-    if cfg.cache_dims() != (cfg.n_head, cfg.head_dim):
-        raise ValueError("convert() takes a GPT-2 with one key/value head per query head (an unconverted model)")
-    xs = calibration_inputs(model, calibration) if method == "pca" else [None] * cfg.n_layer
+    xs = conversion_inputs(model, method, METHODS, calibration)
     new = copy.deepcopy(model)
     new.config = GQAConfig(**dataclasses.asdict(cfg), n_kv_head=n_kv_head)
     p = model.wte.weight

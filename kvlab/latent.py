@@ -30,7 +30,7 @@ import torch.nn as nn
 
 from .cache import PreallocatedCache, tensor_bytes
 from .gpt2 import GPT2, GPTConfig
-from .gqa import calibration_inputs
+from .gqa import conversion_inputs
 
 METHODS = ("svd", "pca")
 
@@ -146,13 +146,7 @@ def convert(model: GPT2, rank: int, method: str = "svd", calibration: torch.Tens
     needs ``calibration`` token ids ``[B, T]`` (apart from the evaluation text)."""
     cfg = model.config
     check_rank(cfg, rank)
-    if method not in METHODS:
-        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
-    if method == "pca" and calibration is None:
-        raise ValueError("method='pca' needs calibration token ids [B, T] (text apart from the evaluation text)")
-    if cfg.cache_dims() != (cfg.n_head, cfg.head_dim):
-        raise ValueError("convert() takes a GPT-2 with one key/value head per query head (an unconverted model)")
-    xs = calibration_inputs(model, calibration) if method == "pca" else [None] * cfg.n_layer
+    xs = conversion_inputs(model, method, METHODS, calibration)
     new = copy.deepcopy(model)
     new.config = LatentConfig(**dataclasses.asdict(cfg), kv_rank=rank)
     new.cache_cls = LatentKVCache

@@ -261,21 +261,8 @@ class AllocatorBlocks:
         pass
 
     def truncate(self, seq: Sequence, num_tokens: int) -> None:
-        """Keep the blocks that hold ``seq``'s first ``num_tokens`` tokens; the rest go back (a rewind:
-        chapter 10's rejected drafts). A kept partly filled block is overwritten by the next tokens."""
-        keep = blocks_for(num_tokens, self.block_size)
-        tail, seq.block_table = seq.block_table[keep:], seq.block_table[:keep]
-        self._release(tail)
-        seq.committed = min(seq.committed, num_tokens // self.block_size)
-
-    def _release(self, blocks) -> None:
-        for b in reversed(blocks):    # the tail first: it is the least likely to be shared
-            self._ref[b] -= 1
-            if self._ref[b] == 0:
-                if self.key_of[b] is not None:
-                    self.cached[b] = None
-                else:
-                    self._free.append(b)
+        raise ValueError("lab 9's allocator contract has no truncate, so a sequence on it cannot rewind "
+                         "(chapter 10's batched speculation): run it on the engine's BlockManager")
 
     def free(self, seq: Sequence) -> None:
         self.a.free(seq.rid)
