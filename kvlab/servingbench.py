@@ -158,14 +158,16 @@ def _random_tokens(rng, n, vocab):
     return tuple(rng.randrange(1, vocab) for _ in range(n))
 
 
-def prepared_steps(model, rows: int, context: int, prompt_len: int, block_size: int = 16, gather=None):
+def prepared_steps(model, rows: int, context: int, prompt_len: int, block_size: int = 16, gather=None,
+                   cached: int = 0, exact: bool = False):
     """A runner with ``rows`` sequences of ``context`` cached tokens, each due one decode token, and
-    one new prompt of ``prompt_len`` tokens: ``(runner, decode work, prefill work)``. Running a step
-    does not advance anything (the engine does), so the same step can be timed again and again."""
+    one prompt of ``cached + prompt_len`` tokens whose first ``cached`` are in its blocks already (a
+    chunk after a cached prefix): ``(runner, decode work, prefill work)``. Running a step does not
+    advance anything (the engine does), so the same step can be timed again and again."""
 
-    nb = rows * blocks_for(context + 1, block_size) + blocks_for(prompt_len, block_size)
+    nb = rows * blocks_for(context + 1, block_size) + blocks_for(cached + prompt_len, block_size)
     bm = BlockManager(nb, block_size, prefix_caching=False)
-    runner, rng, vocab = Runner(model, nb, block_size, gather), random.Random(0), \
+    runner, rng, vocab = Runner(model, nb, block_size, gather, exact), random.Random(0), \
         model.config.vocab_size
     decode = []
     for i in range(rows):
@@ -174,8 +176,11 @@ def prepared_steps(model, rows: int, context: int, prompt_len: int, block_size: 
         runner.run([(s, context)])            # its first `context` tokens into the cache
         s.num_computed = context
         decode.append((s, 1))
-    p = Sequence("prompt", _random_tokens(rng, prompt_len, vocab), 1)
-    bm.allocate(p, prompt_len)
+    p = Sequence("prompt", _random_tokens(rng, cached + prompt_len, vocab), 1)
+    bm.allocate(p, cached + prompt_len)
+    if cached:
+        runner.run([(p, cached)])             # the prefix into the cache
+        p.num_computed = cached
     return runner, decode, [(p, prompt_len)]
 
 

@@ -17,7 +17,7 @@ import torch
 from ..cache import Cache
 from ..configs import kv_dims
 from ..paged import blocks_for, copy_block
-from ..ragged import Segments
+from ..ragged import Segments, Workspace
 from .sampling import sample
 from .sequence import Sequence
 
@@ -76,7 +76,8 @@ class RaggedStep(Cache):
         return 0             # it owns no storage: the runner does
 
 
-def step_inputs(work: list[tuple[Sequence, int]], block_size: int, device=None, gather=None):
+def step_inputs(work: list[tuple[Sequence, int]], block_size: int, device=None, gather=None, workspace=None,
+                exact: bool = False):
     """Token ids ``[1, N]``, positions ``[1, N]``, the new tokens' slots (blocks, offsets), the step's
     :class:`Segments` and the logit rows of a step. Built sequence by sequence from the block tables:
     the cost grows with the new tokens and the blocks, never with every key of every sequence."""
@@ -103,7 +104,7 @@ def step_inputs(work: list[tuple[Sequence, int]], block_size: int, device=None, 
             select.append(col - 1)
     as_long = lambda x: torch.tensor(x, dtype=torch.long, device=device)   # noqa: E731
     segs = Segments(col, {L: (as_long(c), as_long(t)) for L, (c, t) in decode.items()},
-                    [(s, n, as_long(t), torch.arange(p, p + n)) for s, n, t, p in chunks], gather)
+                    [(s, n, as_long(t), torch.arange(p, p + n)) for s, n, t, p in chunks], gather, workspace, exact)
     return as_long([ids]), as_long([pos]), as_long(blocks), as_long(offsets), segs, select
 
 
@@ -111,12 +112,14 @@ class Runner:
     """Runs scheduled steps on ``model`` through the pool it owns (``keys``/``values``
     ``[layers, blocks, block_size, heads, head_dim]``). ``gather`` (lab 9's ``paged_gather``
     contract, which reads a ``[blocks, heads, block_size, head_dim]`` view of a layer) replaces the
-    batched block gather when given."""
+    batched block gather when given; ``exact`` scores a prompt chunk's visible pairs only
+    (:func:`kvlab.ragged.causal_chunk`) instead of one masked call."""
 
-    def __init__(self, model, num_blocks: int, block_size: int, gather=None):
-        self.model, self.block_size, self.gather = model, block_size, gather
+    def __init__(self, model, num_blocks: int, block_size: int, gather=None, exact: bool = False):
+        self.model, self.block_size, self.gather, self.exact = model, block_size, gather, exact
         self.keys, self.values = allocate_kv_cache(model, num_blocks, block_size)
         self.device = self.keys.device
+        self.workspace = Workspace()      # the buffers a step gathers keys into, kept from step to step
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy-on-write: the whole block, every layer, keys and values."""
@@ -125,7 +128,8 @@ class Runner:
 
     def prepare(self, work: list[tuple[Sequence, int]]):
         """The step's inputs and its cache: ``(ids, view, rows)``."""
-        ids, pos, blocks, offsets, segs, select = step_inputs(work, self.block_size, self.device, self.gather)
+        ids, pos, blocks, offsets, segs, select = step_inputs(work, self.block_size, self.device, self.gather,
+                                                                  self.workspace, self.exact)
         view = RaggedStep(self.keys, self.values, pos, blocks, offsets, segs)
         return ids, view, torch.tensor(select, dtype=torch.long, device=self.device)
 
