@@ -137,7 +137,8 @@ class Segments:
         self.n_tokens, self.decode, self.chunks, self.gather, self.exact = n_tokens, decode, chunks, gather, exact
         self.workspace = workspace or Workspace()
         self.scored = [0]
-        self._masks: dict = {}          # the reference's chunk masks, made once per step (the same in every layer)
+        self._masks: dict = {}          # the chunks' masks, made once per step (the same in every layer)
+        self._index: dict = {}          # the gathers' row indices, made once per step
 
     def pairs(self) -> tuple[int, int]:
         """``(scored, visible)`` in one layer: the (query, key) pairs :meth:`attend` scores, and those the
@@ -152,20 +153,28 @@ class Segments:
 
     def keys(self, pool_layer: torch.Tensor, tables: torch.Tensor, length: int, slot: int | None = None):
         """``[b, H, length, D]``: the first ``length`` slots of each table's blocks, in token order, from
-        one layer's pool ``[blocks, block_size, H, D]``; into workspace buffer ``slot`` if given (valid
+        one layer's pool ``[blocks, H, block_size, D]``; into workspace buffer ``slot`` if given (valid
         until that slot is taken again)."""
         rows = tables if tables.dim() == 2 else tables[None]
-        if self.gather is not None:     # a pluggable gather (lab 9's contract: [blocks, H, bs, D]), per sequence
-            view = pool_layer.transpose(1, 2)
-            return torch.stack([self.gather(view, t.tolist(), length) for t in rows])
-        # one copy: whole blocks in table order (index_select on the block dim, the fastest gather
-        # measured here) are the keys in token order; heads first is then a view
+        if self.gather is not None:     # a pluggable gather (lab 9's contract), one sequence at a time
+            return torch.stack([self.gather(pool_layer, t.tolist(), length) for t in rows])
+        # ONE copy, heads first: seen as [blocks * H, block_size, D], row (block, head) is one head's
+        # slots of one block; reading the rows in the order (sequence, head, block) lays each head's
+        # keys side by side in token order, the layout chapter 3's cache hands attention
         b, width = rows.shape
-        _, bs, H, D = pool_layer.shape
-        out = None if slot is None else self.workspace.take(slot, (b * width, bs, H, D), pool_layer)
-        x = torch.index_select(pool_layer, 0, rows.reshape(-1), out=out) if out is not None \
-            else pool_layer.index_select(0, rows.reshape(-1))
-        return x.view(b, width * bs, H, D)[:, :length].transpose(1, 2)
+        _, H, bs, D = pool_layer.shape
+        index = self._head_index(rows, H)
+        out = None if slot is None else self.workspace.take(slot, (index.numel(), bs, D), pool_layer)
+        x = torch.index_select(pool_layer.view(-1, bs, D), 0, index, out=out)
+        return x.view(b, H, width * bs, D)[:, :, :length]
+
+    def _head_index(self, rows: torch.Tensor, H: int) -> torch.Tensor:
+        """Rows ``block * H + head`` of the flat pool, in the order (sequence, head, block): made once per
+        table per step (the same in every layer, for keys and values)."""
+        key = (rows.data_ptr(), tuple(rows.shape), tuple(rows.stride()))   # the step's tables live all step
+        if key not in self._index:
+            self._index[key] = (rows[:, None, :] * H + torch.arange(H, device=rows.device)[None, :, None]).reshape(-1)
+        return self._index[key]
 
     def attend(self, q, pool_k, pool_v, attention_fn, additive: bool):
         """``q`` ``[1, H, N, D]`` over one layer's pools: ``[1, H, N, D]``. Decode rows through

@@ -23,13 +23,14 @@ from .sequence import Sequence
 
 
 def allocate_kv_cache(model, num_blocks: int, block_size: int):
-    """The pool's keys and values, ``[layers, blocks, block_size, heads, head_dim]`` each, in the
-    model's dtype and on its device (allocated up front, like vLLM's). A block's slots come before
-    its heads (vLLM's layout for FlashAttention): the blocks of a sequence, copied side by side, are
-    then its keys in token order, and putting the heads first is a view, not a second copy."""
+    """The pool's keys and values, ``[layers, blocks, heads, block_size, head_dim]`` each (lab 9's
+    layout), in the model's dtype and on its device (allocated up front, like vLLM's). Heads before
+    slots: a sequence's keys gathered out of the blocks are then heads-first, each head's keys side
+    by side, the layout attention reads fastest (measured in chapter 9: a heads-interleaved layout,
+    vLLM's for FlashAttention, made the CPU's attention about twice as slow)."""
     n_layer, n_head, head_dim = kv_dims(model.config)
     p = next(model.parameters())
-    shape = (n_layer, num_blocks, block_size, n_head, head_dim)
+    shape = (n_layer, num_blocks, n_head, block_size, head_dim)
     return torch.zeros(shape, dtype=p.dtype, device=p.device), torch.zeros(shape, dtype=p.dtype, device=p.device)
 
 
@@ -42,7 +43,7 @@ class RaggedStep(Cache):
 
     def __init__(self, keys, values, positions, blocks, offsets, segments: Segments):
         self.pool_keys, self.pool_values, self.segments = keys, values, segments
-        self.n_layer, _, _, self.n_head, self.head_dim = keys.shape
+        self.n_layer, _, self.n_head, _, self.head_dim = keys.shape
         self.dtype, self.device = keys.dtype, keys.device
         self.positions, self.blocks, self.offsets = positions, blocks, offsets
 
@@ -57,9 +58,9 @@ class RaggedStep(Cache):
     def store(self, layer: int, k, v, positions=None):
         """Write the step's ``k``, ``v`` ``[1, H, N, D]`` at their slots; return this layer's pools and
         the step's :class:`Segments` (the model's attention reads each sequence's keys through it)."""
-        K, V = self.pool_keys[layer], self.pool_values[layer]      # [blocks, block_size, H, D]
-        K[self.blocks, self.offsets] = k[0].transpose(0, 1)       # one row [H, D] per token
-        V[self.blocks, self.offsets] = v[0].transpose(0, 1)
+        K, V = self.pool_keys[layer], self.pool_values[layer]      # [blocks, H, block_size, D]
+        K[self.blocks, :, self.offsets] = k[0].transpose(0, 1)    # advanced indices on dims 0 and 2: rows [N, H, D]
+        V[self.blocks, :, self.offsets] = v[0].transpose(0, 1)
         return K, V, self.segments
 
     def reset(self):
@@ -110,8 +111,8 @@ def step_inputs(work: list[tuple[Sequence, int]], block_size: int, device=None, 
 
 class Runner:
     """Runs scheduled steps on ``model`` through the pool it owns (``keys``/``values``
-    ``[layers, blocks, block_size, heads, head_dim]``). ``gather`` (lab 9's ``paged_gather``
-    contract, which reads a ``[blocks, heads, block_size, head_dim]`` view of a layer) replaces the
+    ``[layers, blocks, heads, block_size, head_dim]``). ``gather`` (lab 9's ``paged_gather``
+    contract: one sequence from one layer's ``[blocks, heads, block_size, head_dim]``) replaces the
     batched block gather when given; ``exact`` scores a prompt chunk's visible pairs only
     (:func:`kvlab.ragged.causal_chunk`) instead of one masked call."""
 
