@@ -25,7 +25,7 @@ from .serving.reference import References
 from .paged import BlockAllocator, blocks_for
 from .roofline import forward_floor
 from .serving import BlockManager, Engine, Runner, Sequence, Status
-from .timing import Timing, compare
+from .timing import Budget, Timing, compare
 from .verdicts import compare_timings, on, relation
 from .validate import check_int
 
@@ -215,25 +215,6 @@ def mixed_floors(model, rows: int, context: int, prompt_len: int, bandwidth: flo
     return dict(decode=dec, prefill=pre, merged=both)
 
 
-def ragged_vs_contiguous(model, rows: int, context: int, repeats: int = 5) -> dict:
-    """Interleaved timings of one decode step of ``rows`` sequences holding ``context`` tokens each (equal
-    lengths): the engine's ragged step on the paged pool, and chapter 3's batched step on a contiguous
-    :class:`~kvlab.cache.PreallocatedCache` (rewound after each run, so every run is the same step)."""
-    runner, decode, _ = prepared_steps(model, rows, context, 1)
-    cache = model.new_cache(rows, context + 1)
-    ids = torch.randint(1, model.config.vocab_size, (rows, context + 1), device=runner.device)
-    with torch.no_grad():
-        model(ids[:, :context], cache)
-
-    def contiguous():
-        with torch.no_grad():
-            model(ids[:, context:], cache, last_only=True)
-        cache.rewind(context)
-
-    fns = {"ragged step (paged)": lambda: runner.run(decode), "contiguous step (chapter 3)": contiguous}
-    return compare(fns, warmup=2, repeats=repeats, progress=False)
-
-
 def block_size_timings(model, variants: dict, rows: int, context: int, repeats: int = 5) -> dict:
     """Median seconds of one decode step of ``rows`` sequences holding ``context`` tokens each, per
     variant ``name -> (block_size, gather)`` (``gather=None``: one indexing op for the whole step)."""
@@ -269,15 +250,16 @@ def reserved_vs_used(lengths: list[int], max_len: int, batch_size: int, block_si
 
 
 def chunk_sweep(model, budgets, decoders: int = 4, decode_len: int = 24, long_prompt: int = 160,
-                block_size: int = 16, repeats: int = 1, seed: int = 0) -> list[dict]:
+                block_size: int = 16, repeats: int = 1, seed: int = 0, time_budget: Budget | None = None) -> list[dict]:
     """Decode stall against the step's token budget: ``decoders`` requests decode while a
     ``long_prompt``-token prompt arrives; per budget (None: no chunking, the prompt in one step), the
-    longest gap between two tokens of a decoding request and the long prompt's TTFT, per repeat."""
+    longest gap between two tokens of a decoding request and the long prompt's TTFT, per repeat
+    (up to ``repeats`` rounds, fewer if ``time_budget`` runs out: its note says how many)."""
     rng, vocab = random.Random(seed), model.config.vocab_size
     shorts = [(list(_random_tokens(rng, 8, vocab)), decode_len) for _ in range(decoders)]
     big = list(_random_tokens(rng, long_prompt, vocab))
     rows = {b: dict(budget=b, stall=[], ttft=[], chunks=[], widest=[]) for b in budgets}
-    for _ in range(repeats):
+    for _ in _rounds(repeats, time_budget):
         for b in budgets:                     # interleaved: every budget once per round
             eng = Engine(model, num_blocks=(decoders + 1) * 64, block_size=block_size,
                          max_num_batched_tokens=b or long_prompt + decoders, chunked_prefill=b is not None)
@@ -296,13 +278,18 @@ def chunk_sweep(model, budgets, decoders: int = 4, decode_len: int = 24, long_pr
     return list(rows.values())
 
 
+def _rounds(repeats: int, time_budget: Budget | None):
+    """Round numbers ``0 .. repeats - 1``, cut short by ``time_budget`` (a :class:`kvlab.timing.Budget`)."""
+    return range(repeats) if time_budget is None else time_budget.points(range(repeats), size=lambda _: 1.0)
+
+
 def interleaved_runs(model, workload, policies: dict, repeats: int = 1, arrivals=None, progress: bool = True,
-                     **common) -> dict:
-    """Serve ``workload`` under every policy (``name -> engine kwargs``), ``repeats`` rounds interleaved;
-    returns ``name -> [Engine]``."""
+                     time_budget: Budget | None = None, **common) -> dict:
+    """Serve ``workload`` under every policy (``name -> engine kwargs``), up to ``repeats`` rounds
+    interleaved (fewer if ``time_budget`` runs out); returns ``name -> [Engine]``."""
 
     runs = {name: [] for name in policies}
-    for _ in bar(range(repeats), desc="rounds", leave=False, disable=not progress):
+    for _ in bar(_rounds(repeats, time_budget), desc="rounds", leave=False, disable=not progress):
         for name, kw in policies.items():
             runs[name].append(serve(model, workload, arrivals=arrivals, **(common | kw)))
     return runs
@@ -314,12 +301,13 @@ def median_of(summaries: list[dict], key: str) -> float:
 
 
 def poisson_sweep(model, workload, rates, policies: dict, repeats: int = 1, seed: int = 0, targets=(None, None),
-                  refs: References | None = None, **common) -> list[dict]:
-    """Every policy at every arrival rate (requests/s), rounds interleaved; one row per (rate, policy)
-    with the median summary and each round's summary (``runs``). Checks the invariant on every run."""
+                  refs: References | None = None, time_budget: Budget | None = None, **common) -> list[dict]:
+    """Every policy at every arrival rate (requests/s), up to ``repeats`` rounds interleaved (fewer if
+    ``time_budget`` runs out); one row per (rate, policy) with the median summary and each round's
+    summary (``runs``). Checks the invariant on every run."""
 
     rows = {(r, p): dict(rate=r, policy=p, runs=[]) for r in rates for p in policies}
-    for rep in bar(range(repeats), desc="sweep rounds", leave=False):
+    for rep in bar(_rounds(repeats, time_budget), desc="sweep rounds", leave=False):
         for r in rates:
             arrivals = poisson_arrivals(len(workload), r, seed)
             for p, kw in policies.items():
