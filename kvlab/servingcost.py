@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .configs import kv_dims
 from .paged import blocks_for
 from .ragged import causal_chunk
 from .roofline import forward_floor
@@ -49,10 +50,9 @@ def ragged_vs_contiguous(model, rows: int, context: int, repeats: int = 5) -> di
 def gather_bytes(model, rows: int, context: int, block_size: int = 16) -> int:
     """Bytes one decode step's gather writes (it reads as many): whole blocks of keys and values, every
     layer, for ``rows`` sequences holding ``context + 1`` tokens each."""
-    c, p = model.config, next(model.parameters())
-    heads, head_dim = c.cache_dims() if hasattr(c, "cache_dims") else (c.n_head, c.n_embd // c.n_head)
+    n_layer, heads, head_dim = kv_dims(model.config)
     slots = rows * blocks_for(context + 1, block_size) * block_size
-    return 2 * c.n_layer * slots * heads * head_dim * p.element_size()
+    return 2 * n_layer * slots * heads * head_dim * next(model.parameters()).element_size()
 
 
 def chunk_attention_timings(sizes, heads: int, head_dim: int, seconds: float, repeats: int = 5, device="cpu"):
