@@ -29,7 +29,7 @@ Measurement: ``timing`` (honest timing), ``probes`` (the machine's bandwidth and
 ``harness`` (same tokens before timing, the decode-then-rewind timer), ``generators`` (the roster of
 the book's generators, one name each), ``footprint`` (the bytes tensors really hold),
 ``compilecount`` (what torch counts of a compiled function), per chapter ``quantbench`` (5),
-``rooflinebench`` (7), ``staticbench`` (8), ``servingbench`` (9), ``specbench`` (10), ``shrinkbench`` (11); the commands ``bench`` (the headline
+``rooflinebench`` (7), ``staticbench`` (8), ``servingbench`` and ``servingcost`` (9), ``specbench`` (10), ``shrinkbench`` (11); the commands ``bench`` (the headline
 ratios), ``report`` (a device's measurements as JSON: ``report_sections``, ``machine``) and ``cli``
 (their argument checks).
 

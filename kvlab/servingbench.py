@@ -25,7 +25,7 @@ from .serving.reference import References
 from .paged import BlockAllocator, blocks_for
 from .roofline import forward_floor
 from .serving import BlockManager, Engine, Runner, Sequence, Status
-from .timing import Timing, compare
+from .timing import Budget, Timing, compare
 from .verdicts import compare_timings, on, relation
 from .validate import check_int
 
@@ -158,14 +158,16 @@ def _random_tokens(rng, n, vocab):
     return tuple(rng.randrange(1, vocab) for _ in range(n))
 
 
-def prepared_steps(model, rows: int, context: int, prompt_len: int, block_size: int = 16, gather=None):
+def prepared_steps(model, rows: int, context: int, prompt_len: int, block_size: int = 16, gather=None,
+                   cached: int = 0, exact: bool = False):
     """A runner with ``rows`` sequences of ``context`` cached tokens, each due one decode token, and
-    one new prompt of ``prompt_len`` tokens: ``(runner, decode work, prefill work)``. Running a step
-    does not advance anything (the engine does), so the same step can be timed again and again."""
+    one prompt of ``cached + prompt_len`` tokens whose first ``cached`` are in its blocks already (a
+    chunk after a cached prefix): ``(runner, decode work, prefill work)``. Running a step does not
+    advance anything (the engine does), so the same step can be timed again and again."""
 
-    nb = rows * blocks_for(context + 1, block_size) + blocks_for(prompt_len, block_size)
+    nb = rows * blocks_for(context + 1, block_size) + blocks_for(cached + prompt_len, block_size)
     bm = BlockManager(nb, block_size, prefix_caching=False)
-    runner, rng, vocab = Runner(model, nb, block_size, gather), random.Random(0), \
+    runner, rng, vocab = Runner(model, nb, block_size, gather, exact), random.Random(0), \
         model.config.vocab_size
     decode = []
     for i in range(rows):
@@ -174,8 +176,11 @@ def prepared_steps(model, rows: int, context: int, prompt_len: int, block_size: 
         runner.run([(s, context)])            # its first `context` tokens into the cache
         s.num_computed = context
         decode.append((s, 1))
-    p = Sequence("prompt", _random_tokens(rng, prompt_len, vocab), 1)
-    bm.allocate(p, prompt_len)
+    p = Sequence("prompt", _random_tokens(rng, cached + prompt_len, vocab), 1)
+    bm.allocate(p, cached + prompt_len)
+    if cached:
+        runner.run([(p, cached)])             # the prefix into the cache
+        p.num_computed = cached
     return runner, decode, [(p, prompt_len)]
 
 
@@ -208,25 +213,6 @@ def mixed_floors(model, rows: int, context: int, prompt_len: int, bandwidth: flo
     both = forward_floor(model, rows + prompt_len, rows + 1, rows * context,
                          rows * context + prompt_len * (prompt_len - 1) // 2, bandwidth, flops)
     return dict(decode=dec, prefill=pre, merged=both)
-
-
-def ragged_vs_contiguous(model, rows: int, context: int, repeats: int = 5) -> dict:
-    """Interleaved timings of one decode step of ``rows`` sequences holding ``context`` tokens each (equal
-    lengths): the engine's ragged step on the paged pool, and chapter 3's batched step on a contiguous
-    :class:`~kvlab.cache.PreallocatedCache` (rewound after each run, so every run is the same step)."""
-    runner, decode, _ = prepared_steps(model, rows, context, 1)
-    cache = model.new_cache(rows, context + 1)
-    ids = torch.randint(1, model.config.vocab_size, (rows, context + 1), device=runner.device)
-    with torch.no_grad():
-        model(ids[:, :context], cache)
-
-    def contiguous():
-        with torch.no_grad():
-            model(ids[:, context:], cache, last_only=True)
-        cache.rewind(context)
-
-    fns = {"ragged step (paged)": lambda: runner.run(decode), "contiguous step (chapter 3)": contiguous}
-    return compare(fns, warmup=2, repeats=repeats, progress=False)
 
 
 def block_size_timings(model, variants: dict, rows: int, context: int, repeats: int = 5) -> dict:
@@ -264,15 +250,16 @@ def reserved_vs_used(lengths: list[int], max_len: int, batch_size: int, block_si
 
 
 def chunk_sweep(model, budgets, decoders: int = 4, decode_len: int = 24, long_prompt: int = 160,
-                block_size: int = 16, repeats: int = 1, seed: int = 0) -> list[dict]:
+                block_size: int = 16, repeats: int = 1, seed: int = 0, time_budget: Budget | None = None) -> list[dict]:
     """Decode stall against the step's token budget: ``decoders`` requests decode while a
     ``long_prompt``-token prompt arrives; per budget (None: no chunking, the prompt in one step), the
-    longest gap between two tokens of a decoding request and the long prompt's TTFT, per repeat."""
+    longest gap between two tokens of a decoding request and the long prompt's TTFT, per repeat
+    (up to ``repeats`` rounds, fewer if ``time_budget`` runs out: its note says how many)."""
     rng, vocab = random.Random(seed), model.config.vocab_size
     shorts = [(list(_random_tokens(rng, 8, vocab)), decode_len) for _ in range(decoders)]
     big = list(_random_tokens(rng, long_prompt, vocab))
     rows = {b: dict(budget=b, stall=[], ttft=[], chunks=[], widest=[]) for b in budgets}
-    for _ in range(repeats):
+    for _ in _rounds(repeats, time_budget):
         for b in budgets:                     # interleaved: every budget once per round
             eng = Engine(model, num_blocks=(decoders + 1) * 64, block_size=block_size,
                          max_num_batched_tokens=b or long_prompt + decoders, chunked_prefill=b is not None)
@@ -291,13 +278,18 @@ def chunk_sweep(model, budgets, decoders: int = 4, decode_len: int = 24, long_pr
     return list(rows.values())
 
 
+def _rounds(repeats: int, time_budget: Budget | None):
+    """Round numbers ``0 .. repeats - 1``, cut short by ``time_budget`` (a :class:`kvlab.timing.Budget`)."""
+    return range(repeats) if time_budget is None else time_budget.points(range(repeats), size=lambda _: 1.0)
+
+
 def interleaved_runs(model, workload, policies: dict, repeats: int = 1, arrivals=None, progress: bool = True,
-                     **common) -> dict:
-    """Serve ``workload`` under every policy (``name -> engine kwargs``), ``repeats`` rounds interleaved;
-    returns ``name -> [Engine]``."""
+                     time_budget: Budget | None = None, **common) -> dict:
+    """Serve ``workload`` under every policy (``name -> engine kwargs``), up to ``repeats`` rounds
+    interleaved (fewer if ``time_budget`` runs out); returns ``name -> [Engine]``."""
 
     runs = {name: [] for name in policies}
-    for _ in bar(range(repeats), desc="rounds", leave=False, disable=not progress):
+    for _ in bar(_rounds(repeats, time_budget), desc="rounds", leave=False, disable=not progress):
         for name, kw in policies.items():
             runs[name].append(serve(model, workload, arrivals=arrivals, **(common | kw)))
     return runs
@@ -309,12 +301,13 @@ def median_of(summaries: list[dict], key: str) -> float:
 
 
 def poisson_sweep(model, workload, rates, policies: dict, repeats: int = 1, seed: int = 0, targets=(None, None),
-                  refs: References | None = None, **common) -> list[dict]:
-    """Every policy at every arrival rate (requests/s), rounds interleaved; one row per (rate, policy)
-    with the median summary and each round's summary (``runs``). Checks the invariant on every run."""
+                  refs: References | None = None, time_budget: Budget | None = None, **common) -> list[dict]:
+    """Every policy at every arrival rate (requests/s), up to ``repeats`` rounds interleaved (fewer if
+    ``time_budget`` runs out); one row per (rate, policy) with the median summary and each round's
+    summary (``runs``). Checks the invariant on every run."""
 
     rows = {(r, p): dict(rate=r, policy=p, runs=[]) for r in rates for p in policies}
-    for rep in bar(range(repeats), desc="sweep rounds", leave=False):
+    for rep in bar(_rounds(repeats, time_budget), desc="sweep rounds", leave=False):
         for r in rates:
             arrivals = poisson_arrivals(len(workload), r, seed)
             for p, kw in policies.items():

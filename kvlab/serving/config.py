@@ -16,7 +16,8 @@ class EngineConfig:
     """What every piece of the engine reads: the pool (``num_blocks`` of ``block_size`` slots), the
     per-step budgets (vLLM's ``max_num_batched_tokens`` and ``max_num_seqs``) and the policies (see
     :class:`~kvlab.serving.scheduler.Scheduler`). ``max_len`` is the contiguous reservation per
-    sequence (``admission="contiguous"`` only)."""
+    sequence (``admission="contiguous"`` only). ``exact_attention``: a prompt chunk scores its visible
+    pairs only (:func:`kvlab.ragged.causal_chunk`), not its whole rectangle in one masked call."""
 
     num_blocks: int
     block_size: int = 16
@@ -28,6 +29,7 @@ class EngineConfig:
     admission: str = "on-demand"
     batching: str = "continuous"
     running_order: str = "decode-first"
+    exact_attention: bool = False
 
     def __post_init__(self):
         check_int(self.num_blocks, "num_blocks (blocks in the pool)", 1)
@@ -40,6 +42,6 @@ class EngineConfig:
                 raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
         if self.admission == "contiguous" or self.max_len is not None:
             check_int(self.max_len, "max_len (the contiguous reservation per sequence)", 1)
-        for name in ("chunked_prefill", "prefix_caching"):
+        for name in ("chunked_prefill", "prefix_caching", "exact_attention"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")

@@ -17,19 +17,20 @@ import torch
 from ..cache import Cache
 from ..configs import kv_dims
 from ..paged import blocks_for, copy_block
-from ..ragged import Segments
+from ..ragged import Segments, Workspace
 from .sampling import sample
 from .sequence import Sequence
 
 
 def allocate_kv_cache(model, num_blocks: int, block_size: int):
-    """The pool's keys and values, ``[layers, blocks, block_size, heads, head_dim]`` each, in the
-    model's dtype and on its device (allocated up front, like vLLM's). A block's slots come before
-    its heads (vLLM's layout for FlashAttention): the blocks of a sequence, copied side by side, are
-    then its keys in token order, and putting the heads first is a view, not a second copy."""
+    """The pool's keys and values, ``[layers, blocks, heads, block_size, head_dim]`` each (lab 9's
+    layout), in the model's dtype and on its device (allocated up front, like vLLM's). Heads before
+    slots: a sequence's keys gathered out of the blocks are then heads-first, each head's keys side
+    by side, the layout attention reads fastest (measured in chapter 9: a heads-interleaved layout,
+    vLLM's for FlashAttention, made the CPU's attention about twice as slow)."""
     n_layer, n_head, head_dim = kv_dims(model.config)
     p = next(model.parameters())
-    shape = (n_layer, num_blocks, block_size, n_head, head_dim)
+    shape = (n_layer, num_blocks, n_head, block_size, head_dim)
     return torch.zeros(shape, dtype=p.dtype, device=p.device), torch.zeros(shape, dtype=p.dtype, device=p.device)
 
 
@@ -42,7 +43,7 @@ class RaggedStep(Cache):
 
     def __init__(self, keys, values, positions, blocks, offsets, segments: Segments):
         self.pool_keys, self.pool_values, self.segments = keys, values, segments
-        self.n_layer, _, _, self.n_head, self.head_dim = keys.shape
+        self.n_layer, _, self.n_head, _, self.head_dim = keys.shape
         self.dtype, self.device = keys.dtype, keys.device
         self.positions, self.blocks, self.offsets = positions, blocks, offsets
 
@@ -57,9 +58,9 @@ class RaggedStep(Cache):
     def store(self, layer: int, k, v, positions=None):
         """Write the step's ``k``, ``v`` ``[1, H, N, D]`` at their slots; return this layer's pools and
         the step's :class:`Segments` (the model's attention reads each sequence's keys through it)."""
-        K, V = self.pool_keys[layer], self.pool_values[layer]      # [blocks, block_size, H, D]
-        K[self.blocks, self.offsets] = k[0].transpose(0, 1)       # one row [H, D] per token
-        V[self.blocks, self.offsets] = v[0].transpose(0, 1)
+        K, V = self.pool_keys[layer], self.pool_values[layer]      # [blocks, H, block_size, D]
+        K[self.blocks, :, self.offsets] = k[0].transpose(0, 1)    # advanced indices on dims 0 and 2: rows [N, H, D]
+        V[self.blocks, :, self.offsets] = v[0].transpose(0, 1)
         return K, V, self.segments
 
     def reset(self):
@@ -76,7 +77,8 @@ class RaggedStep(Cache):
         return 0             # it owns no storage: the runner does
 
 
-def step_inputs(work: list[tuple[Sequence, int]], block_size: int, device=None, gather=None):
+def step_inputs(work: list[tuple[Sequence, int]], block_size: int, device=None, gather=None, workspace=None,
+                exact: bool = False):
     """Token ids ``[1, N]``, positions ``[1, N]``, the new tokens' slots (blocks, offsets), the step's
     :class:`Segments` and the logit rows of a step. Built sequence by sequence from the block tables:
     the cost grows with the new tokens and the blocks, never with every key of every sequence."""
@@ -103,20 +105,22 @@ def step_inputs(work: list[tuple[Sequence, int]], block_size: int, device=None, 
             select.append(col - 1)
     as_long = lambda x: torch.tensor(x, dtype=torch.long, device=device)   # noqa: E731
     segs = Segments(col, {L: (as_long(c), as_long(t)) for L, (c, t) in decode.items()},
-                    [(s, n, as_long(t), torch.arange(p, p + n)) for s, n, t, p in chunks], gather)
+                    [(s, n, as_long(t), torch.arange(p, p + n)) for s, n, t, p in chunks], gather, workspace, exact)
     return as_long([ids]), as_long([pos]), as_long(blocks), as_long(offsets), segs, select
 
 
 class Runner:
     """Runs scheduled steps on ``model`` through the pool it owns (``keys``/``values``
-    ``[layers, blocks, block_size, heads, head_dim]``). ``gather`` (lab 9's ``paged_gather``
-    contract, which reads a ``[blocks, heads, block_size, head_dim]`` view of a layer) replaces the
-    batched block gather when given."""
+    ``[layers, blocks, heads, block_size, head_dim]``). ``gather`` (lab 9's ``paged_gather``
+    contract: one sequence from one layer's ``[blocks, heads, block_size, head_dim]``) replaces the
+    batched block gather when given; ``exact`` scores a prompt chunk's visible pairs only
+    (:func:`kvlab.ragged.causal_chunk`) instead of one masked call."""
 
-    def __init__(self, model, num_blocks: int, block_size: int, gather=None):
-        self.model, self.block_size, self.gather = model, block_size, gather
+    def __init__(self, model, num_blocks: int, block_size: int, gather=None, exact: bool = False):
+        self.model, self.block_size, self.gather, self.exact = model, block_size, gather, exact
         self.keys, self.values = allocate_kv_cache(model, num_blocks, block_size)
         self.device = self.keys.device
+        self.workspace = Workspace()      # the buffers a step gathers keys into, kept from step to step
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy-on-write: the whole block, every layer, keys and values."""
@@ -125,7 +129,8 @@ class Runner:
 
     def prepare(self, work: list[tuple[Sequence, int]]):
         """The step's inputs and its cache: ``(ids, view, rows)``."""
-        ids, pos, blocks, offsets, segs, select = step_inputs(work, self.block_size, self.device, self.gather)
+        ids, pos, blocks, offsets, segs, select = step_inputs(work, self.block_size, self.device, self.gather,
+                                                                  self.workspace, self.exact)
         view = RaggedStep(self.keys, self.values, pos, blocks, offsets, segs)
         return ids, view, torch.tensor(select, dtype=torch.long, device=self.device)
 

@@ -1,0 +1,97 @@
+"""A ragged step's attention (kvlab.ragged): the exact split scores the visible pairs and nothing else,
+and every path (decode batches, a masked chunk, the exact split) equals the readable per-sequence
+reference. Tolerance: fp32 on the CPU, 2e-5 absolute on attention outputs of order 1 (a log-sum-exp
+merge sums in another order than one softmax; nothing else differs)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvlab.cache import visible
+from kvlab.gpt2 import masked_attention
+from kvlab.ragged import causal_chunk, merge_into, partial_attention
+from kvlab.servingbench import prepared_steps
+
+ATOL = 2e-5
+
+
+def _masked(q, k, v, start):
+    n = q.shape[-2]
+    seen = visible(torch.arange(start, start + n)[None], torch.arange(start + n)[None, None])[:, None]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=seen)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 5, 8, 13, 48, 64])
+@pytest.mark.parametrize("start", [0, 1, 7, 100])
+def test_causal_chunk_scores_the_visible_pairs_and_equals_one_masked_call(n, start):
+    g = torch.Generator().manual_seed(n * 1000 + start)
+    q, k, v = (torch.randn(1, 4, m, 16, generator=g) for m in (n, start + n, start + n))
+    tally = [0]
+    got = causal_chunk(q, k, v, start, tally)
+    assert tally[0] == n * start + n * (n + 1) // 2          # the one rule's count, and no more
+    assert (got - _masked(q, k, v, start)).abs().max() < ATOL
+
+
+def test_merge_of_two_parts_is_attention_over_both():
+    g = torch.Generator().manual_seed(0)
+    q, k, v = torch.randn(2, 3, 5, 8, generator=g), torch.randn(2, 3, 11, 8, generator=g), torch.randn(2, 3, 11, 8, generator=g)
+    q = q / 8 ** 0.5
+    out, lse = partial_attention(q, k[..., :4, :], v[..., :4, :])
+    merge_into(out, lse, *partial_attention(q, k[..., 4:, :], v[..., 4:, :]))
+    assert (out - F.scaled_dot_product_attention(q * 8 ** 0.5, k, v)).abs().max() < ATOL
+
+
+def test_causal_chunk_in_half_precision_keeps_its_dtype():
+    q, k, v = (torch.randn(1, 2, m, 8).to(torch.bfloat16) for m in (6, 10, 10))
+    got = causal_chunk(q, k, v, 4)
+    assert got.dtype == torch.bfloat16
+    assert (got.float() - _masked(q.float(), k.float(), v.float(), 4)).abs().max() < 2e-2
+
+
+def _pools_after(runner, work):
+    """Run the step once (its keys into the pool), then return its segments and layer 0's pools."""
+    runner.run(work)
+    _, view, _ = runner.prepare(work)
+    return view.segments, runner.keys[0], runner.values[0]
+
+
+@pytest.mark.parametrize("exact", [True, False], ids=["exact", "masked-chunk"])
+def test_mixed_step_with_a_cached_prefix_equals_the_reference(ours, exact):
+    """7 decode rows at 128 cached tokens and a 48-token chunk after a 32-token
+    cached prefix: the fast path equals the per-sequence reference; with ``exact`` the step scores
+    exactly the pairs the one rule lets through, counted as the step runs, in every layer."""
+    runner, decode, prefill = prepared_steps(ours, 7, 128, 48, cached=32, exact=exact)
+    work = decode + prefill
+    segs, K, V = _pools_after(runner, work)
+    q = torch.randn(1, ours.config.n_head, segs.n_tokens, ours.config.head_dim, generator=torch.Generator().manual_seed(1))
+    fast = segs.attend(q, K, V, masked_attention, True)
+    ref = segs.reference(q, K, V, masked_attention, True)
+    assert (fast - ref).abs().max() < ATOL
+    visible_pairs = 7 * 129 + 48 * 32 + 48 * 49 // 2
+    scored = visible_pairs if exact else visible_pairs + 48 * 47 // 2
+    assert segs.pairs() == (scored, visible_pairs)
+    assert segs.scored[0] == scored                           # counted while attend ran, one layer
+    segs.scored[0] = 0
+    ids, view, rows = runner.prepare(work)
+    with torch.no_grad():
+        ours(ids, cache=view, select=rows)
+    assert view.segments.scored[0] == ours.config.n_layer * scored
+
+
+def test_exact_and_masked_runners_give_the_same_tokens(ours):
+    runs = {}
+    for exact in (False, True):
+        runner, decode, prefill = prepared_steps(ours, 5, 40, 23, cached=9, exact=exact)
+        runs[exact] = runner.run(decode + prefill)
+    assert runs[False] == runs[True]
+
+
+def test_a_decode_row_of_its_own_length_and_a_lone_chunk(ours):
+    """Decode rows of three lengths (three batches) and a chunk without a prefix: each equals the reference."""
+    runner, decode, prefill = prepared_steps(ours, 3, 20, 5, exact=True)
+    decode[1][0].num_computed -= 1          # row 1 now runs its last two tokens: a chunk of 2 at position 19
+    decode[1] = (decode[1][0], 2)
+    segs, K, V = _pools_after(runner, decode + prefill)
+    q = torch.randn(1, ours.config.n_head, segs.n_tokens, ours.config.head_dim)
+    assert (segs.attend(q, K, V, masked_attention, True) - segs.reference(q, K, V, masked_attention, True)).abs().max() < ATOL
+    assert segs.pairs()[0] == segs.pairs()[1]
