@@ -202,6 +202,15 @@ class Block(nn.Module):
         return x + self.mlp(self.ln_2(x))
 
 
+class TokenEmbedding(nn.Embedding):
+    """GPT-2's token embedding, which is also its LM head (the two are tied): a row per token to look
+    up at the input, and the whole table, transposed, to turn the last hidden state into logits.
+    (Chapter 8's int8 weights replace it with :class:`kvlab.weights.Int8TokenEmbedding`.)"""
+
+    def head(self, h):
+        return h @ self.weight.T
+
+
 class GPT2(nn.Module):
     """GPT-2 (the LM-head model): ONE forward pass, whatever the cache. ``attention_fn`` and
     ``cache_cls`` are pluggable, so the labs can run this model with a learner's attention and cache
@@ -212,7 +221,7 @@ class GPT2(nn.Module):
         self.config = cfg
         self.attention_fn = attention_fn
         self.cache_cls = cache_cls or PreallocatedCache
-        self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
+        self.wte = TokenEmbedding(cfg.vocab_size, cfg.n_embd)
         self.wpe = nn.Embedding(cfg.n_positions, cfg.n_embd)
         self.h = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
         self.ln_f = nn.LayerNorm(cfg.n_embd, eps=cfg.layer_norm_epsilon)
@@ -253,12 +262,18 @@ class GPT2(nn.Module):
             x = x[:, select]
         elif last_only:
             x = x[:, -1:]
-        return self.ln_f(x) @ self.wte.weight.T   # the LM head is the token embedding, transposed (tied)
+        return self.wte.head(self.ln_f(x))   # the LM head is the token embedding, transposed (tied)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype the model computes and caches in: its layer norms' (with int8 weights, chapter 8,
+        the weight matrices are not in it)."""
+        return self.ln_f.weight.dtype
 
     def new_cache(self, batch_size: int = 1, max_len: int | None = None, dtype=None, device=None):
         """An empty cache for this model (``cache_cls``, a :class:`PreallocatedCache` by default);
         ``max_len`` defaults to the whole context, ``n_positions``."""
-        cfg, p = self.config, self.wte.weight
+        cfg, p = self.config, self.ln_f.weight
         return self.cache_cls(cfg.n_layer, batch_size, *cfg.cache_dims(),
                               check_max_len(max_len, cfg.n_positions), dtype or p.dtype, device or p.device)
 
@@ -333,7 +348,7 @@ def check_cache_for(model, cache, B):
     Returns what to remember once the whole call is checked (None: nothing new)."""
     bound = None
     if not isinstance(cache, PastLenCache):
-        p, cfg = model.wte.weight, model.config
+        p, cfg = model.ln_f.weight, model.config     # the compute dtype (int8 weights compute in it too)
         bound = (cfg.n_layer, cfg.n_head, cfg.n_embd, p.dtype, p.device)
         if getattr(cache, "_checked_model", None) == bound:
             bound = None

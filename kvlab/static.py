@@ -233,7 +233,7 @@ class StaticDecoder:
 
     def __init__(self, model, batch_size: int = 1, max_len: int | None = None, cache_cls=None,
                  attention_fn: Callable | None = None):
-        cfg, p = model.config, model.wte.weight
+        cfg, p = model.config, model.ln_f.weight   # the compute dtype and device
         self.batch_size = batch_size
         self.max_len = check_max_len(max_len, cfg.n_positions)   # 0 is an error, not "the whole context"
         sizes = (cfg.n_layer, batch_size, cfg.n_head, cfg.head_dim, self.max_len, p.dtype, p.device)
