@@ -61,6 +61,11 @@ def int8_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.
         flat = x.reshape(-1, x.shape[-1]).to(torch.bfloat16).contiguous()
         y = _int8_mm_cpu(flat, q, scale.to(torch.bfloat16))
         return y.to(x.dtype).view(*x.shape[:-1], q.shape[0])
+    return _int8_matmul_generic(x, q, scale)
+
+
+def _int8_matmul_generic(x, q, scale):
+    """gpt-fast's form: inductor fuses the int8 -> ``x.dtype`` conversion into the product's kernel."""
     return F.linear(x, q.to(x.dtype)) * scale.to(x.dtype)
 
 
