@@ -6,7 +6,7 @@ The domain: what the book builds. It computes and never prints, plots, times or 
 only the domain.
 
 * the model and its caches: ``gpt2`` (the hand-built GPT-2 and its ONE forward pass), ``forwardcheck``
-  (what that forward checks at its entry), ``weights`` (chapter 8's bf16 and int8 weights), ``cache`` (the
+  (what that forward checks at its entry), ``weights`` (chapter 8's bf16 and int8 weights), ``matvec`` (batch 1's products as reductions), ``cache`` (the
   cache interface, its one mask rule and chapter 3's caches), ``pastlen`` (lab 3's cache contract in
   that interface), ``quant`` (the maths of quantization) and ``quant_cache`` (chapter 5's caches),
   ``static`` (chapter 8's static cache and compiled decode step), ``paged`` (chapter 9's allocator and

@@ -70,29 +70,39 @@ def _default_probe_mib(device) -> int:
 _PROBES = {   # kind -> (bytes moved per byte of the buffer, dtype of the buffer, what is timed)
     "read": (1, torch.float32, "sum of"), "read bf16": (1, torch.bfloat16, "bf16 sum of"),
     "compiled read": (1, torch.float32, "compiled (inductor) sum of"),
-    "gemv": (1, torch.float32, "matrix-vector product over"), "copy": (2, torch.float32, "copy of"),
+    "gemv": (1, torch.float32, "matrix-vector product over"),
+    "compiled gemv": (1, torch.float32, "compiled row-dot (inductor) over"), "copy": (2, torch.float32, "copy of"),
 }
 
 #: The readers :func:`best_bandwidth` tries: a decode step only reads, so the floor's bandwidth is what
 #: the fastest of them streams. On CUDA the device-to-device copy (a DMA engine) joins them.
-READERS = ("read", "read bf16", "compiled read", "gemv")
+READERS = ("read", "read bf16", "compiled read", "gemv", "compiled gemv")
 
-_COMPILED_SUM = {}
+_COMPILED = {}
+
+
+def _compiled(kind: str, device, fn):
+    """One compiled function per (kind, device type), reused by every probe of that kind."""
+    key = (kind, torch.device(device).type)
+    if key not in _COMPILED:
+        _COMPILED[key] = torch.compile(fn, dynamic=False)
+    return _COMPILED[key]
 
 
 def _probe_fn(kind: str, src: torch.Tensor):
     if kind in ("read", "read bf16"):
         return lambda: src.sum()                       # reads every byte once, writes one number
     if kind == "compiled read":
-        if src.device.type not in _COMPILED_SUM:       # compiled once per device type, reused
-            _COMPILED_SUM[src.device.type] = torch.compile(lambda t: t.sum(), dynamic=False)
-        fn = _COMPILED_SUM[src.device.type]
+        fn = _compiled(kind, src.device, lambda t: t.sum())
         return lambda: fn(src)
     if kind == "copy":
         dst = torch.empty_like(src)
         return lambda: dst.copy_(src)                  # read + write (plus, on a CPU without streaming
     mat = src.view(-1, 4096)                           # stores, a read-for-ownership of dst)
     vec = torch.ones(4096, dtype=src.dtype, device=src.device)
+    if kind == "compiled gemv":                        # kvlab.matvec's reduction, one row per output
+        fn = _compiled(kind, src.device, lambda m, v: (m * v).sum(-1))
+        return lambda: fn(mat, vec)
     return lambda: mat @ vec
 
 
@@ -102,7 +112,8 @@ def measure_bandwidth(device="cpu", size_mib: int | None = None, threads: int | 
 
     ``kind="read"``: a float32 reduction, which only reads, as a decode step reads its weights and
     cache; ``"read bf16"`` the same over bf16; ``"compiled read"`` inductor's own reduction kernel;
-    ``"gemv"``: a float32 matrix-vector product, the BLAS kernel a batch-1 step runs. ``"copy"``: a
+    ``"gemv"``: a float32 matrix-vector product, the BLAS kernel a batch-1 step runs; ``"compiled
+    gemv"``: the same product as one reduction per row, compiled (``kvlab.matvec``). ``"copy"``: a
     tensor copy, read and write bytes both counted; on a CPU the write also costs a read-for-ownership
     the count leaves out, so it understates what a read-only step can stream. The floor uses the best
     of the readers (:func:`best_bandwidth`). On a CPU the thread count is fixed (``threads``, else

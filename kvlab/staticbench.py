@@ -28,7 +28,7 @@ from .provenance import device_name
 
 # The four generators, and for each compiled one the eager one it replaces.
 # Chapter 8's four generators (kvlab.generators' names), each compiled one beside the eager one it replaces.
-VARIANTS = (G.TRANSFORMERS, G.TRANSFORMERS_COMPILED, G.HAND_BUILT, G.HAND_BUILT_COMPILED)
+VARIANTS = (G.TRANSFORMERS, G.TRANSFORMERS_COMPILED, G.HAND_BUILT, G.HAND_BUILT_COMPILED_BLAS, G.HAND_BUILT_COMPILED)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -78,7 +78,7 @@ def _check_tokens(runs, hf, prompt_len, new_tokens) -> None:
           f"tokens ({new_tokens} new after a prompt of {prompt_len})")
 
 
-def _rows(hf, res, first, matvec, m, prompt_len, new_tokens, dec) -> list[dict]:
+def _rows(hf, res, first, matvec, m, prompt_len, new_tokens, decoders) -> list[dict]:
     device = next(hf.parameters()).device
     n, bw, fl = new_tokens, m["bandwidth"], m["flops"]
     floor = roofline.generation_floor(hf, 1, prompt_len, n, bw, fl) / n
@@ -90,8 +90,9 @@ def _rows(hf, res, first, matvec, m, prompt_len, new_tokens, dec) -> list[dict]:
                  break_even=None, matvec_per_token=matvec, weight_s=roofline.weight_read_bytes(hf, 1) / bw,
                  static_floor=static_floor(hf, prompt_len + n, bw, fl), timing=t, bandwidth=bw,
                  achieved=roofline.achieved_bandwidth(hf, 1, prompt_len, n, t.median))
-        if name == G.HAND_BUILT_COMPILED:     # kept for step_breakdown: the profile reuses this compilation
-            r.update(decoder=dec, part_floors=part_floors(hf, 1, prompt_len + n, bw, fl))
+        if name in decoders:     # kept for step_breakdown: the profile reuses this compilation
+            r.update(decoder=decoders[name], matvec=decoders[name].matvec,
+                     part_floors=part_floors(hf, 1, prompt_len + n, bw, fl))
         if name in G.EAGER_OF:
             r["compile_s"] = compile_seconds(first[name], t.median)
             r["break_even"] = break_even_tokens(r["compile_s"], res[G.EAGER_OF[name]].median / n,
@@ -113,7 +114,7 @@ def measure(hf, prompt_len: int, new_tokens: int, threads: int | None = None, re
     torch._dynamo.reset()                  # compile from scratch: the first calls below pay for it
     g = torch.Generator().manual_seed(1)
     prompt = torch.randint(0, hf.config.vocab_size, (1, prompt_len), generator=g).to(device)
-    runs, dec = G.roster(hf, ours, prompt, new_tokens, VARIANTS)
+    runs, decoders = G.roster(hf, ours, prompt, new_tokens, VARIANTS)
     first = {name: time_first_call(runs[name], device) for name in G.COMPILED}
     _check_tokens(runs, hf, prompt_len, new_tokens)
     m = probes.machine(device, roofline.model_dtype(hf), verbose=False)
@@ -121,7 +122,7 @@ def measure(hf, prompt_len: int, new_tokens: int, threads: int | None = None, re
     res = timing.compare({**runs, "matvec": lambda: [products() for _ in range(new_tokens)]}, warmup=0,
                          repeats=repeats, progress=progress)
     matvec = res.pop("matvec").median / new_tokens
-    return _rows(hf, res, first, matvec, m, prompt_len, new_tokens, dec)
+    return _rows(hf, res, first, matvec, m, prompt_len, new_tokens, decoders)
 
 
 # ---------------------------------------------------------------------------------------------------
