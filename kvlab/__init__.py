@@ -38,7 +38,7 @@ Presentation: ``notebook`` (a notebook's setup in one call: threads, seed, devic
 ``tables`` (tables that fit the page), ``plots`` (figures), ``draw`` and ``draw_engine``
 (diagrams drawn from the objects the code builds), ``progress`` (progress bars only where someone
 watches), ``verdicts`` (sentences computed from measurements), ``provenance`` (what produced a
-number: banner and stamps), ``calculator`` (chapter 4's calculator), ``rooflineview`` and
+number: banner and stamps), ``calculator`` (chapter 4's calculator), ``rooflineview``, ``weightview`` and
 ``staticview`` (chapters 7 and 8's tables, figures and sentences), ``specreport`` (chapter 10's),
 ``results`` (recorded runs read back).
 

@@ -125,3 +125,30 @@ def crossover_rows(ours, batches=(1, 8, 64), formats=weights.FORMATS, cache_form
                                  cache_kb_per_token=per_token / 1e3, tokens=int(B * context),
                                  context=int(context) if context <= cfg.n_positions else None))
     return rows
+
+
+def context_sweep(ours, batch: int, contexts, formats=("fp32", "int8"), repeats: int = 5) -> list[dict]:
+    """Measured: one eager decode step of ``batch`` rows at each context, for each weight format,
+    interleaved (``kvlab.rooflinebench.step_fn``), beside the predicted share of the step's bytes
+    that is cache. The measured crossover is where the step takes twice its shortest-context time:
+    there, if both terms stream at one bandwidth, reading the cache costs what reading the weights does."""
+    from .rooflinebench import step_fn
+
+    models = {f: ours if f == "fp32" else weights.convert(ours, f) for f in formats}
+    fns = {(f, s): step_fn(m, batch, s) for f, m in models.items() for s in contexts}
+    res = timing.compare(fns, warmup=1, repeats=repeats, progress=False)
+    rows = []
+    for (f, s), t in res.items():
+        m = models[f]
+        cache = roofline.cache_read_bytes(m, batch, s)
+        rows.append(dict(weights=f, batch=batch, context=s, ms=t.median * 1e3, timing=t, device=ours.ln_f.weight.device,
+                        
+                         cache_share=cache / roofline.decode_step_bytes(m, batch, s)))
+    return rows
+
+
+def measured_crossover(rows, fmt: str) -> int | None:
+    """The first context of a :func:`context_sweep` at which the ``fmt`` step took at least twice its
+    shortest-context time (``None``: not within the sweep)."""
+    mine = sorted((r for r in rows if r["weights"] == fmt), key=lambda r: r["context"])
+    return next((r["context"] for r in mine if r["ms"] >= 2 * mine[0]["ms"]), None)
