@@ -27,8 +27,8 @@ def quality_sentence(rows: list[dict]) -> str:
     base = next(r for r in rows if r["weights"] == "fp32")
     parts = [f"{r['weights']} {r['perplexity']:.2f} ({r['perplexity'] / base['perplexity'] - 1:+.2%})"
              for r in rows if r is not base]
-    return (f"Held-out perplexity: fp32 {base['perplexity']:.2f}; " + "; ".join(parts)
-            + f", at {', '.join(f'{r['weight_mb']:.1f}' for r in rows)} MB of weights.")
+    sizes = ", ".join(f"{r['weight_mb']:.1f}" for r in rows)
+    return f"Held-out perplexity: fp32 {base['perplexity']:.2f}; " + "; ".join(parts) + f", at {sizes} MB of weights."
 
 
 def _row(rows, model, fmt, how):
