@@ -40,7 +40,7 @@ def format_sentences(rows: list[dict]) -> list[str]:
     compiled), worded by the noise test; what its bytes alone predict beside what was measured."""
     out = []
     for model in dict.fromkeys(r["model"] for r in rows):
-        dev = next(r for r in rows if r["model"] == model)["device"]
+        dev = verdicts.on(next(r for r in rows if r["model"] == model)["device"])
         for how in dict.fromkeys(r["generator"] for r in rows if r["model"] == model):
             base = _row(rows, model, "fp32", how)
             for r in (x for x in rows if x["model"] == model and x["generator"] == how and x is not base):
@@ -49,7 +49,7 @@ def format_sentences(rows: list[dict]) -> list[str]:
                 c = verdicts.compare_timings(r["timing"], base["timing"])
                 win, lose = (r["weights"], "fp32") if r["per_token"] <= base["per_token"] else ("fp32", r["weights"])
                 said = verdicts.relation(c, win, lose)
-                out.append(f"{model}, {how}, on this {dev}: {r['weights']} weights run at {speed:.2f}x the speed of fp32 "
+                out.append(f"{model}, {how}, {dev}: {r['weights']} weights run at {speed:.2f}x the speed of fp32 "
                            f"(their floor is {predicted:.2f}x lower), {r['x_floor']:.2f}x their own floor at "
                            f"{r['of_probe']:.0%} of the read probe; "
                            + (said if c.verdict == "none" else f"{win} {said}") + ".")
@@ -64,7 +64,7 @@ def print_crossover(rows: list[dict], name: str) -> None:
         key = (r["weights"], r["cache"])
         table.setdefault(key, {"weights": r["weights"], "cache": r["cache"],
                                "weights MB": f"{r['weight_mb']:.1f}", "cache KB/token": f"{r['cache_kb_per_token']:.1f}",
-                               "cached tokens": f"{r['tokens']:,}"})
+                               "cached tokens (batch 1)": f"{r['tokens']:,}"})
         table[key][f"context at batch {r['batch']}"] = "-" if r["context"] is None else f"{r['context']:,}"
     show(list(table.values()), caption=f"{name}: where the cache outweighs the weights (batches {batches})")
 
