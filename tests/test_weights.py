@@ -129,12 +129,20 @@ def test_above_probe_only_for_steps_larger_than_the_cache():
     assert not probes.above_probe(50e9, 10e9, 1000)           # served from the cache: no DRAM bound
 
 
-def test_best_bandwidth_is_the_fastest_reader():
+def test_best_bandwidth_is_the_fastest_reader(monkeypatch):
     bw, reader = probes.best_bandwidth("cpu", threads=1, repeats=2, verbose=False, sizes=(1,))
-    kind = reader.split(",")[0]
-    assert kind in probes.READERS and bw > 0
-    again = probes.measure_bandwidth("cpu", threads=1, repeats=2, verbose=False, kind="read")
-    assert bw > 0.5 * again
+    assert reader.split(",")[0] in probes.READERS and bw > 0       # every reader runs here
+    fake = {"read": 5e9, "read bf16": 6e9, "compiled read": 4e9, "gemv": 9e9, "compiled gemv": 7e9}
+    seen = []
+
+    def measured(device, mib, threads, repeats, verbose, kind):
+        seen.append((kind, mib))
+        return fake[kind] * (1.1 if mib > probes._default_probe_mib("cpu") else 1.0)
+    monkeypatch.setattr(probes, "measure_bandwidth", measured)
+    bw, reader = probes.best_bandwidth("cpu", verbose=False)
+    assert bw == 9.9e9 and reader.startswith("gemv, ")               # the fastest kind at the larger size
+    assert {k for k, _ in seen} == set(probes.READERS) and len(seen) == 2 * len(probes.READERS)
+    assert "copy" not in {k for k, _ in seen}                        # a CPU copy also reads for ownership
 
 
 def test_no_generator_streams_faster_than_the_probe():
@@ -143,6 +151,7 @@ def test_no_generator_streams_faster_than_the_probe():
     timed in the same interleaved run."""
     from kvlab import timing
 
+    threads = torch.get_num_threads()
     torch.set_num_threads(1)
     hf, _ = loading.load("shape:gpt2")
     ours = gpt2.GPT2.from_hf(hf)
@@ -160,3 +169,4 @@ def test_no_generator_streams_faster_than_the_probe():
         achieved = roofline.achieved_bandwidth(model, 1, 4, 4, res[key].median)
         step = roofline.decode_step_bytes(model, 1, 4)
         assert not probes.above_probe(achieved, best, step, slack=1.10), (key, achieved / 1e9, best / 1e9)
+    torch.set_num_threads(threads)
