@@ -323,3 +323,28 @@ def break_even_tokens(compile_seconds: float, eager_per_token: float, compiled_p
     """After how many generated tokens compiling has paid for itself (``None``: it never does)."""
     gain = eager_per_token - compiled_per_token
     return compile_seconds / gain if gain > 0 else None
+
+
+def batch_rows(ours, batches, prompt_len: int, new_tokens: int, repeats: int = 3) -> list[dict]:
+    """The compiled decode at several batch sizes, one :class:`kvlab.static.StaticDecoder` (one graph)
+    per size, as engines capture one CUDA graph per batch size from a set: per size, torch's count of
+    graphs, the first call apart, then every size timed interleaved; tokens checked against eager."""
+    from . import compilecount
+
+    device = ours.ln_f.weight.device
+    torch._dynamo.reset()      # every decoder compiles StaticDecoder._step: start under torch's recompile limit
+    g = torch.Generator().manual_seed(2)
+    decs, runs, counts = {}, {}, {}
+    for b in batches:
+        prompt = torch.randint(0, ours.config.vocab_size, (b, prompt_len), generator=g).to(device)
+        decs[b] = static.StaticDecoder(ours, batch_size=b, max_len=prompt_len + new_tokens).compile()
+        runs[b] = (lambda d, p: lambda: d.generate(p, new_tokens))(decs[b], prompt)
+        with compilecount.counting() as counts[b]:
+            time_first_call(runs[b], device)
+        if not torch.equal(runs[b](), gpt2.generate(ours, prompt, new_tokens)):
+            raise RuntimeError(f"the compiled decoder at batch {b} does not give eager's tokens: not timing it")
+    res = timing.compare(runs, warmup=0, repeats=repeats, progress=False)
+    return [dict(batch=b, graphs=counts[b]["graphs"], matvec=decs[b].matvec, per_step=t.median / new_tokens,
+                 tokens_per_s=b * new_tokens / t.median, timing=t,
+                 achieved=roofline.achieved_bandwidth(ours, b, prompt_len, new_tokens, t.median))
+            for b, t in res.items()]

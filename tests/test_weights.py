@@ -170,3 +170,14 @@ def test_no_generator_streams_faster_than_the_probe():
         step = roofline.decode_step_bytes(model, 1, 4)
         assert not probes.above_probe(achieved, best, step, slack=1.10), (key, achieved / 1e9, best / 1e9)
     torch.set_num_threads(threads)
+
+
+def test_one_compiled_graph_per_batch_size(tiny):
+    """Chapter 8's batch sizes: one decoder, one graph each (torch's own count), eager's tokens."""
+    from kvlab import staticbench
+
+    ours, _ = tiny
+    rows = staticbench.batch_rows(ours, [1, 2], 4, 4, repeats=1)
+    assert [r["batch"] for r in rows] == [1, 2] and all(r["graphs"] == 1 for r in rows)
+    assert [r["matvec"] for r in rows] == ["reduction", "blas"]
+    assert all(r["tokens_per_s"] > 0 and r["achieved"] > 0 for r in rows)
