@@ -6,7 +6,7 @@ import torch
 from kvlab.course.checks import check_quantize
 from kvlab.quant import dequantize, quantize
 
-from utils import expect_rejected, own_copy
+from utils import expect_rejected, one_step_removed, own_copy
 
 quantize, dequantize = own_copy(quantize), own_copy(dequantize)   # not the library's own
 
@@ -250,3 +250,12 @@ def test_library_refused():
 
     expect_rejected(lambda pair: check_quantize(*pair), (quant.quantize, dequantize),
                     "kvlab.quant.quantize")
+
+
+def test_the_library_one_step_removed_is_refused_by_what_runs():
+    """Issue 34, kind 1, in lab 5: the library's quantizer without its name (next to the learner's own
+    dequantize) is refused, naming what ran."""
+    from kvlab import quant
+
+    for how, impl in one_step_removed(quant.quantize).items():
+        expect_rejected(lambda q: check_quantize(q, dequantize), impl, "ran kvlab.quant.quantize", "write it yourself")

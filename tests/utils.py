@@ -56,6 +56,18 @@ def _copied_module(name: str):
     return module
 
 
+def one_step_removed(fn) -> dict:
+    """The library's ``fn`` reached without its name in the learner's code (issue 34, kind 1): looked up
+    on its module inside a lambda, and bound as a default argument. Either is the library's code run
+    on the learner's behalf; only a check that watches what runs sees it."""
+    module = sys.modules[fn.__module__]
+    through_module = lambda *args, **kwargs: getattr(module, fn.__name__)(*args, **kwargs)  # noqa: E731
+
+    def default_argument(*args, _impl=fn, **kwargs):
+        return _impl(*args, **kwargs)
+    return {"an attribute of its module, in a lambda": through_module, "a default argument": default_argument}
+
+
 def attention_without_mask(q, k, v, past_len):
     """Lab 3's attention contract with the causal mask forgotten (article C's prefill bug): every
     query sees every key, the future included."""
