@@ -9,7 +9,7 @@ from kvlab.cache import EMPTY, Cache
 from kvlab.course.checks import check_gqa_conversion, check_sink_window_cache, check_window_prediction
 from kvlab.window import SinkWindowKVCache
 
-from utils import expect_rejected, one_step_removed, own_copy
+from utils import expect_rejected, hands_over_code, one_step_removed, own_copy
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -240,7 +240,8 @@ def tiled(x, group):
     (pool, tiled, ["h % n_kv", "h // group"]),
 ])
 def test_wrong_conversions_are_named(pool_fn, repeat_fn, needles):
-    expect_rejected(lambda f: check_gqa_conversion(*f), (pool_fn, repeat_fn), *needles)
+    message = expect_rejected(lambda f: check_gqa_conversion(*f), (pool_fn, repeat_fn), *needles)
+    assert not hands_over_code(message), message        # the mistake and the rule, not the fixing line
 
 
 def test_library_conversion_refused():

@@ -5,6 +5,7 @@ Import them by module name: pytest puts this folder on ``sys.path`` (``from util
 
 import inspect
 import math
+import re
 import sys
 import types
 
@@ -66,6 +67,18 @@ def one_step_removed(fn) -> dict:
     def default_argument(*args, _impl=fn, **kwargs):
         return _impl(*args, **kwargs)
     return {"an attribute of its module, in a lambda": through_module, "a default argument": default_argument}
+
+
+# Code that hands a learner the fix (issue 34): an attribute or method of the learner's own object, a
+# slice, a call of a builtin that picks or orders (min, max, list, reversed, popitem), index arithmetic,
+# a torch call. A grader's message names the mistake and the rule in words, not the line that fixes it.
+_FIX_AS_CODE = re.compile(r"\bself\.\w+|\[[^\]]*:[^\]]*\]|popitem|\b(reversed|min|max|list|sorted)\(|\w \+?//|"
+                          r"\w+ % \w+|\btorch\.\w+\(|\.(append|pop|expand|repeat|cumsum|amin|amax|clamp)\(")
+
+
+def hands_over_code(message: str) -> list[str]:
+    """The pieces of ``message`` that read as code fixing the mistake (empty: none)."""
+    return [m.group(0) for m in _FIX_AS_CODE.finditer(message)]
 
 
 def attention_without_mask(q, k, v, past_len):

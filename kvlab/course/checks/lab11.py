@@ -237,7 +237,7 @@ def _check_repeat(repeat_kv):
         if heads != want.tolist():
             tiled = torch.arange(n_kv).repeat(group).tolist()
             hint = (" (the heads tiled: query head h read kv head h % n_kv). Head h must read kv head h // group: "
-                    "repeat each head in place, e.g. x[:, :, None].expand(...).reshape(...) or repeat_interleave"
+                    "a group is consecutive query heads, so each kv head serves the next `group` of them"
                     if heads == tiled else "")
             raise fail(NAME_GQA, f"repeat_kv with {n_kv} kv heads, groups of {group}: query heads read kv heads "
                                  f"{heads}, expected {want.tolist()}{hint}")
