@@ -237,7 +237,7 @@ def tiled(x, group):
     (strided, repeat, ["consecutive heads"]),
     (no_check, repeat, ["must raise ValueError"]),
     (in_place, repeat, ["in place"]),
-    (pool, tiled, ["h % n_kv", "h // group"]),
+    (pool, tiled, ["heads tiled", "consecutive query heads"]),
 ])
 def test_wrong_conversions_are_named(pool_fn, repeat_fn, needles):
     message = expect_rejected(lambda f: check_gqa_conversion(*f), (pool_fn, repeat_fn), *needles)
