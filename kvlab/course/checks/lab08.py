@@ -25,16 +25,16 @@ import contextlib
 import copy
 import functools
 import logging
-import math
 from types import SimpleNamespace
 
 import torch
 
 from kvlab.reference import hf_greedy
 from kvlab.reference import first_difference
-from ._common import (ValueReads, call_unmodified, confirmed, fail, fresh_prompts, grading_model,
+from ._common import (ValueReads, call_unmodified, fail, fresh_prompts, grading_model,
                       held_tensors, learner_call, misplaced, passed)
 from kvlab.gpt2 import GPT2
+from ._attention import float64_attention, name_the_mistake, where_wrong
 from kvlab.static import StaticKVCache, StaticDecoder
 
 NAME_CACHE = "check_static_cache"
@@ -296,26 +296,6 @@ def check_static_cache(StaticKVCache) -> None:
 # static_attention
 
 
-def reference_static_attention(q, k, v, pos, mask="causal", scale="sqrt"):
-    """float64 attention over every slot, and the usual mistakes (for diagnosis)."""
-    q, k, v = q.double(), k.double(), v.double()
-    T, S, D = q.shape[2], k.shape[2], q.shape[3]
-    qpos = int(pos) + torch.arange(T)[:, None]
-    kpos = torch.arange(S)[None, :]
-    allowed = {
-        "causal": kpos <= qpos,
-        "none": torch.ones(T, S, dtype=torch.bool),
-        "written": kpos < int(pos) + T,                       # hides unwritten slots, not the chunk's future
-        "chunk_only": (kpos <= qpos) | (kpos >= int(pos) + T),  # causal among the new, unwritten let through
-        "topleft": kpos <= torch.arange(T)[:, None],          # ignores pos
-        "strict": kpos < qpos,
-    }[mask]
-    s = {"sqrt": 1 / math.sqrt(D), "D": 1 / D, "none": 1.0}[scale]
-    scores = torch.einsum("bhtd,bhsd->bhts", q, k) * s
-    weights = torch.softmax(scores.masked_fill(~allowed, float("-inf")), -1)
-    return torch.einsum("bhts,bhsd->bhtd", weights, v)
-
-
 _ATTENTION_MISTAKES = [
     (dict(mask="none"), "there is no mask: all max_len slots are attended, including the ones not written yet "
                         "(zeros, or an earlier prompt's stale keys). Hide every slot j > pos + i for query i"),
@@ -376,14 +356,6 @@ def _attention_output(static_attention, q, k, v, pos, where):
     return out.double()
 
 
-def _where_wrong(got, want, pos) -> str:
-    err = (got - want).abs()
-    b, h, i, d = (int(x) for x in torch.unravel_index(err.argmax(), err.shape))
-    queries = sorted({int(x) for x in (err.amax((0, 1, 3)) > 1e-5).nonzero()})
-    return (f"the largest error, {float(err.max()):.2e}, is at batch row {b}, head {h}, query {i} (position "
-            f"pos + {i} = {pos + i}), channel {d}; wrong queries: {queries}")
-
-
 def _grade_attention_case(static_attention, case, gen, twice=False):
     """One case (``twice``: then again with other values, so a remembered answer shows). A mistake is
     named only when it explains this input AND a second one of the same case."""
@@ -391,31 +363,16 @@ def _grade_attention_case(static_attention, case, gen, twice=False):
     where = f"q [{B}, {H}, {T}, {D}], k/v [{B}, {H}, max_len={S}, {D}], pos={pos}"
     q, k, v = _attention_inputs(B, H, T, pos, S, D, fill, gen)
     got = _attention_output(static_attention, q, k, v, pos, where)
-    want = reference_static_attention(q, k, v, pos)
+    want = float64_attention(q, k, v, pos)
     if (got - want).abs().max().item() <= 1e-5:
         if twice:
             _grade_attention_case(static_attention, case, gen)
         return
     q2, k2, v2 = _attention_inputs(B, H, T, pos, S, D, fill, gen)
     got2 = _attention_output(static_attention, q2, k2, v2, pos, where + ", other values")
-    if torch.equal(got, got2):
-        raise fail(NAME_ATTENTION, f"{where}: two calls with the same shapes and different values returned "
-                                   "the same output: your attention hands back a remembered result. Compute "
-                                   "it from q, k, v at every call")
-    probes = [(got, q, k, v), (got2, q2, k2, v2)]
-    row0 = (lambda p: B > 1 and torch.allclose(p[0][0], reference_static_attention(*p[1:], pos)[0],
-                                               atol=1e-5))
-    hypotheses = [(row0, "batch row 0 is right, the others are not: keep the batch dimension in every "
-                         "operation")]
-    hypotheses += [((lambda p, kw=kw: torch.allclose(p[0], reference_static_attention(*p[1:], pos, **kw),
-                                                     atol=1e-5)), message)
-                   for kw, message in _ATTENTION_MISTAKES]
-    named = confirmed(hypotheses, probes)
-    if named is not None:
-        raise fail(NAME_ATTENTION, f"{where}: {named}")
-    raise fail(NAME_ATTENTION, f"{where}: your output differs from float64 attention (tolerance 1e-5): "
-                               f"{_where_wrong(got, want, pos)}. Expected softmax(q @ k^T / sqrt(D), slots "
-                               "j > pos + i hidden) @ v")
+    name_the_mistake(NAME_ATTENTION, where, [(got, q, k, v), (got2, q2, k2, v2)], pos, _ATTENTION_MISTAKES,
+                     f"your output differs from float64 attention (tolerance 1e-5): {where_wrong(got, want, pos, 'pos')}. "
+                     "Expected softmax(q @ k^T / sqrt(D), slots j > pos + i hidden) @ v")
 
 
 def _attention_on_meta(static_attention) -> None:
@@ -766,7 +723,7 @@ def _nan_truth(static_attention) -> dict:
         k, v = torch.randn(B, H, 8, D, generator=gen), torch.randn(B, H, 8, D, generator=gen)
         clean = learner_call(NAME_NAN, "static_attention on clean keys and values", static_attention, q, k, v,
                              torch.tensor(3))
-        if not torch.allclose(clean.double(), reference_static_attention(q, k, v, 3), atol=1e-5):
+        if not torch.allclose(clean.double(), float64_attention(q, k, v, 3), atol=1e-5):
             raise fail(NAME_NAN, "your static_attention is wrong on clean inputs (no NaN anywhere), so what it "
                                  "does with a NaN says nothing: pass check_static_attention first")
         for what in ("keys", "values"):
