@@ -286,3 +286,38 @@ def test_torchs_own_not_implemented_is_named_a_stubs_passes():
         raise NotImplementedError("Exercise: write f")
     with pytest.raises(NotImplementedError, match="Exercise: write f"):
         learner_call("check_x", "f", stub, 1)
+
+
+# Mentions that describe what ran (the grader's seeding, an autocast the learner's call ran under, the
+# part of the handed-over block manager a mistake left behind), not a fix.
+_DESCRIBES = {"torch.manual_seed(", "torch.autocast(", "self.key_of", "self.block_of", "self.preempt"}
+
+
+def _grader_strings(path):
+    """Every string a grader module writes into a message (docstrings aside), as (line, text)."""
+    import ast
+
+    tree = ast.parse(path.read_text())
+    skip = {id(n.body[0].value) for n in ast.walk(tree)
+            if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef)) and n.body
+            and isinstance(n.body[0], ast.Expr) and isinstance(n.body[0].value, ast.Constant)}
+    for node in ast.walk(tree):
+        parts = node.values if isinstance(node, ast.JoinedStr) else [node]
+        for part in parts:
+            if isinstance(part, ast.Constant) and isinstance(part.value, str) and id(part) not in skip:
+                skip.add(id(part))
+                yield node.lineno, part.value
+
+
+def test_no_grader_message_hands_over_the_fixing_line():
+    """Issue 34: a message names the mistake and the rule, not the line of code that fixes it (a slice,
+    a torch call, a method of the learner's own object, index arithmetic): read from every grader."""
+    from kvlab.paths import REPO_ROOT
+    from utils import hands_over_code
+
+    found = [f"{path.name}:{line}: {code} in {text[:80]!r}"
+             for path in sorted((REPO_ROOT / "kvlab" / "course" / "checks").glob("*.py"))
+             for line, text in _grader_strings(path) if " " in text
+             for code in set(hands_over_code(text)) - _DESCRIBES]
+    assert not found, "\n".join(found)
+    assert hands_over_code("preempt the newest (reversed(self.running))") and hands_over_code("tokens[:-1]")

@@ -59,7 +59,7 @@ def _batch(tok, prompts, padding="left", positions="mask", mask="real", fallback
 
 @pytest.mark.parametrize("impl, needles", [
     (functools.partial(_batch, padding="right"), ["right padding"]),
-    (functools.partial(_batch, positions="columns"), ["cumsum"]),
+    (functools.partial(_batch, positions="columns"), ["the column number", "real tokens only"]),
     (functools.partial(_batch, positions="unclamped"), ["clamp"]),
     (functools.partial(_batch, mask="ones"), ["all ones"]),
     (functools.partial(_batch, fallback=False), ["no pad token", "eos"]),

@@ -77,11 +77,11 @@ def _token_probe(model, seq: torch.Tensor, pos: int):
 # when it holds at two generated positions (one coincidence must not name a mistake).
 _TOKEN_MISTAKES = [
     (lambda got, lg, alone: lg.shape[0] >= 2 and int(lg[-2].argmax()) == got,
-     "it is the argmax of the SECOND-TO-LAST position's logits: the next token comes from "
-     "logits[:, -1, :], the last position"),
+     "it is the argmax of the SECOND-TO-LAST position's logits: the next token comes from the "
+     "LAST position's logits"),
     (lambda got, lg, alone: lg.shape[0] >= 2 and int(lg[0].argmax()) == got,
-     "it is the argmax of the FIRST position's logits: the next token comes from "
-     "logits[:, -1, :], the last position"),
+     "it is the argmax of the FIRST position's logits: the next token comes from the LAST "
+     "position's logits"),
     (lambda got, lg, alone: alone == got,
      "it is what the model predicts when it sees ONLY THE LAST TOKEN: without a cache the "
      "model must be fed the whole sequence so far (prompt + generated tokens) at every step"),

@@ -280,10 +280,10 @@ _MISTAKES = [
      "(p.element_size(), or the model's dtype.itemsize for the cache)"),
     ("query heads for key/value heads", lambda c: _read(c) + c["C"] * c["q_per_kv"],
      "you sized the cache with the number of QUERY heads: with grouped-query attention the cache holds "
-     "num_key_value_heads heads (getattr(config, 'num_key_value_heads', num_attention_heads))"),
+     "num_key_value_heads heads (a config without it has as many as query heads)"),
     ("head_dim from the width", lambda c: _read(c) + round(c["C"] * c["dim_ratio"]),
-     "you took head_dim as hidden_size // num_attention_heads; a config may set head_dim explicitly "
-     "(getattr(config, 'head_dim', None) or hidden_size // num_attention_heads)"),
+     "you took head_dim as the width over the heads; a config may set head_dim explicitly, and then "
+     "that is the size of a head"),
 ]
 
 

@@ -43,18 +43,17 @@ NAME_COMPILE = "check_no_recompile"
 NAME_LOOP = "check_static_generate"
 NAME_NAN = "check_hidden_nan"
 
-_READS_POS = ("reads the position back into Python (seen: {how}; int(pos), pos.item(), pos.tolist(), slicing "
-              "buffer[..., pos:pos + T] all do). Eagerly that works; under torch.compile it is a graph break, "
+_READS_POS = ("reads the position back into Python (seen: {how}; int(pos), pos.item(), pos.tolist(), slicing a "
+              "buffer at pos all do). Eagerly that works; under torch.compile it is a graph break, "
               "or the number becomes a constant of the graph, so every new position compiles a new one. Keep "
-              "pos a tensor: slots = pos + torch.arange(T), then index_copy_(2, slots, k) or "
-              "buffer[:, :, slots] = k")
+              "pos a tensor, and compute the slots from it as tensors too")
 
 
 def _reads(how: str, attention: bool = False) -> str:
     text = _READS_POS.format(how=how)
     if attention:
-        return text.split(". Keep")[0] + (". Build the mask from tensors: torch.arange(max_len) > pos + "
-                                          "torch.arange(T)[:, None]")
+        return text.split(". Keep")[0] + (". Build the mask from tensors: compare the slot numbers with "
+                                          "the queries' positions, pos kept a tensor")
     return text
 
 
@@ -141,8 +140,8 @@ _CACHE_MISTAKES = [
      "the slots dimension 2)"),
     ("row 0 only", lambda o: o.B > 1 and torch.equal(o.keys[0], o.want_k[0])
      and not any(torch.equal(o.keys[b], o.want_k[b]) for b in range(1, o.B)),
-     "only batch row 0 is written correctly; the other rows are not: index every row "
-     "(buffer[:, :, slots])"),
+     "only batch row 0 is written correctly; the other rows are not: every batch row writes its "
+     "new keys and values at the same slots"),
     ("ignores pos", lambda o: o.rewind and o.pos not in _at0(o),
      "update was called with pos={pos} (a rewind: slots are rewritten, as after a rejected speculative "
      "token) and did not write there: the position is the pos argument; do not keep a counter of "
@@ -245,8 +244,8 @@ def _check_small_cases(StaticKVCache) -> None:
     except Exception as e:  # noqa: BLE001 - the learner's error, named
         raise fail(NAME_CACHE, f"update on a cache made with device='meta' (shapes only) raised "
                                f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}. On a GPU "
-                               "the same happens: make every tensor on the cache's device "
-                               "(torch.arange(T, device=k.device))") from e
+                               "the same happens: create every tensor on the cache's device, not on the "
+                               "default one") from e
     bad = misplaced(list(held_tensors(meta)) + [("the returned keys", got[0])], "meta", torch.float16)
     if bad:
         raise fail(NAME_CACHE, f"a cache made with device='meta', dtype=float16: {', '.join(bad[:4])}. "
@@ -386,7 +385,7 @@ def _attention_on_meta(static_attention) -> None:
     except Exception as e:  # noqa: BLE001 - the learner's error, named
         raise fail(NAME_ATTENTION, f"{where}: your attention raised {type(e).__name__}: "
                                    f"{str(e).splitlines()[0] if str(e) else ''}. On a GPU the same happens: "
-                                   "make every tensor on q's device (torch.arange(S, device=q.device))") from e
+                                   "create every tensor on q's device, not on the default one") from e
     if not isinstance(out, torch.Tensor) or out.device.type != "meta" or list(out.shape) != [2, 2, 1, 8]:
         raise fail(NAME_ATTENTION, f"{where}: expected a [2, 2, 1, 8] output on meta, got "
                                    f"{getattr(out, 'shape', type(out).__name__)} on {getattr(out, 'device', '?')}")
@@ -577,13 +576,12 @@ class _Step:
             raise fail(NAME_LOOP, f"{where}: step call #{k} got pos={pos!r}, a Python {type(pos).__name__}. "
                                   "torch.compile makes a Python number a constant of the graph, so every "
                                   "new position would compile a new one: keep pos a 0-d torch.long tensor, "
-                                  "pos = torch.tensor(T), and advance it as a tensor (pos + 1)")
+                                  "and advance it as a tensor")
         if self.layout is not None and ids.stride() != self.layout:
             raise fail(NAME_LOOP, f"{where}: step call #{k} got ids with strides {ids.stride()}, an earlier "
                                   f"call {self.layout} (a view into your output tensor, whose width changes "
                                   "with the prompt?). torch.compile specialises on strides as on shapes, so a "
-                                  "new layout is a new graph: hand the step the same layout every time, e.g. "
-                                  "next_ids[:, None], or a [B, 1] buffer you copy_ into")
+                                  "new layout is a new graph: hand the step ids of the same layout every time")
         self.layout = ids.stride()
         if pos.dim() != 0 or pos.dtype != torch.long:
             raise fail(NAME_LOOP, f"{where}: step call #{k} got pos of shape {list(pos.shape)} and dtype "
