@@ -227,7 +227,7 @@ def _run_case(Scheduler, model, case, reference):
         if s.output != want:
             i = next((j for j, (a, b) in enumerate(zip(s.output, want)) if a != b), min(len(s.output), len(want)))
             how = (f"it was preempted {s.preemptions} time(s) and resumed with lost or changed tokens: a preempted "
-                   "request keeps every token it has and recomputes them all (self.preempt does both)"
+                   "request keeps every token it has and recomputes them all"
                    if s.preemptions else "check which tokens you run (seq.num_computed onwards)")
             raise fail(NAME_SCHED, f"case '{title}': request {s.rid}'s new token #{i + 1} differs from its prompt "
                                    f"generated alone: {how}")
