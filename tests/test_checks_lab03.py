@@ -449,3 +449,12 @@ def test_the_library_one_step_removed_is_refused_by_what_runs(capsys):
                     "ran kvlab.cache.PreallocatedCache", "write it yourself")
     check_generate_with_cache(PreallocatedCache, reference_attention)
     assert "PASSED check_generate_with_cache" in capsys.readouterr().out
+
+
+def test_a_callable_library_object_is_refused_at_the_door():
+    """A kvlab object that calls the library's attention when called (the model's own adapter): the
+    grader calls it, not the learner's code, so only the refusal of what is handed in can see it."""
+    from kvlab import gpt2
+
+    expect_rejected(check_attention, gpt2.PastLenAttention(gpt2.attention), "handed in kvlab.gpt2.PastLenAttention",
+                    "write it yourself")
