@@ -235,7 +235,7 @@ def _boundary_hint(got, want, free, per, unit="batch") -> str:
         return (f": you rounded the {unit} UP. What only partly fits does not fit: round down "
                 "to the whole units")
     if got == want - 1 and free % per == 0:
-        return ": what fills free_bytes exactly does fit (use <=, or floor division)"
+        return ": what fills free_bytes exactly does fit (the boundary itself counts)"
     return ": the answer is the number of whole units that fit in free_bytes"
 
 

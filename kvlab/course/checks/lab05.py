@@ -226,8 +226,8 @@ def _on_meta(fn, *args):
         text = str(e)
         if "expected device" in text or "same device" in text:
             raise fail(NAME, f"on device='meta' inputs (shapes only) your code mixes devices: "
-                             f"{text.splitlines()[0]}. On a GPU the same happens: make every "
-                             "tensor you build on x's device (device=x.device)") from e
+                             f"{text.splitlines()[0]}. On a GPU the same happens: a tensor your "
+                             "code creates must be created on x's device") from e
         if "meta" in text or isinstance(e, NotImplementedError):
             return None
         raise fail(NAME, f"on device='meta' inputs your code raised {type(e).__name__}: "
@@ -248,7 +248,7 @@ def _check_meta(quantize, dequantize) -> str:
         bad.append(f"dequantize's result on {xhat.device}")
     if bad:
         raise fail(NAME, f"x on device='meta': {', '.join(bad)}. Every tensor you return must be "
-                         "on x's device (build them from x, or with device=x.device)")
+                         "on x's device, not on the default one")
     return "meta inputs give meta outputs"
 
 
