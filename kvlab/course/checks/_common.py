@@ -24,7 +24,6 @@ import functools
 import inspect
 import os
 import sys
-import contextlib
 from contextlib import contextmanager
 from dataclasses import dataclass
 
