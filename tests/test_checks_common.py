@@ -176,14 +176,32 @@ def uses_an_attribute_named_like_the_library(q, k, v, past_len):
 
 
 def test_a_wrapper_around_the_library_is_refused():
-    from kvlab.course.checks._common import library_calls
-
-    assert library_calls(wraps_by_module) == ["kvlab.gpt2.attention"]
-    assert library_calls(wraps_by_name) == ["kvlab.gpt2.attention"]
-    assert library_calls(uses_an_attribute_named_like_the_library) == []
-    assert library_calls(CacheWrappingTheLibrary) == ["kvlab.cache (imported inside your code)"]
-    with pytest.raises(GraderFailure, match="your code uses kvlab.gpt2.attention"):
+    """Lab 3 keeps the rule by what runs: wrappers that name the library are refused by what they ran,
+    a cache that imports it inside its code too; an attribute merely named like it is not the library."""
+    assert _ran(wraps_by_module, *_QKV) == ["kvlab.gpt2.attention"]
+    assert _ran(wraps_by_name, *_QKV) == ["kvlab.gpt2.attention"]
+    assert _ran(uses_an_attribute_named_like_the_library, *_QKV) == []
+    assert _ran(CacheWrappingTheLibrary, 1, 1, 1, 4, 2) == ["kvlab.cache.PreallocatedCache.__init__"]
+    with pytest.raises(GraderFailure, match="ran kvlab.gpt2.attention, the library's own code, from wraps_by_module"):
         check_attention(wraps_by_module)
+
+
+_QKV = (torch.randn(1, 1, 2, 4), torch.randn(1, 1, 3, 4), torch.randn(1, 1, 3, 4), 1)
+
+
+def test_every_check_states_its_rule_and_every_lab_says_it():
+    """The rule is one for every lab: each check has its line in ``_RULES`` (what the exercise hands
+    over), and each lab's first cell tells the learner what their code may run of kvlab."""
+    import json
+
+    from kvlab.course import checks
+    from kvlab.paths import REPO_ROOT
+
+    assert set(checks._RULES) == set(checks.__all__)
+    for path in sorted((REPO_ROOT / "solutions").glob("lab*.ipynb")):
+        first = "".join(json.load(open(path))["cells"][0]["source"])
+        assert "**What your code may run of kvlab (the rule of every lab).**" in first, path.name
+        assert "The graders watch what runs, not names" in first, path.name
 
 
 # ------------------------------------------- issue 34: the rule, enforced by what runs (LibraryWatch)
@@ -268,3 +286,38 @@ def test_torchs_own_not_implemented_is_named_a_stubs_passes():
         raise NotImplementedError("Exercise: write f")
     with pytest.raises(NotImplementedError, match="Exercise: write f"):
         learner_call("check_x", "f", stub, 1)
+
+
+# Mentions that describe what ran (the grader's seeding, an autocast the learner's call ran under, the
+# part of the handed-over block manager a mistake left behind), not a fix.
+_DESCRIBES = {"torch.manual_seed(", "torch.autocast(", "self.key_of", "self.block_of", "self.preempt"}
+
+
+def _grader_strings(path):
+    """Every string a grader module writes into a message (docstrings aside), as (line, text)."""
+    import ast
+
+    tree = ast.parse(path.read_text())
+    skip = {id(n.body[0].value) for n in ast.walk(tree)
+            if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef)) and n.body
+            and isinstance(n.body[0], ast.Expr) and isinstance(n.body[0].value, ast.Constant)}
+    for node in ast.walk(tree):
+        parts = node.values if isinstance(node, ast.JoinedStr) else [node]
+        for part in parts:
+            if isinstance(part, ast.Constant) and isinstance(part.value, str) and id(part) not in skip:
+                skip.add(id(part))
+                yield node.lineno, part.value
+
+
+def test_no_grader_message_hands_over_the_fixing_line():
+    """Issue 34: a message names the mistake and the rule, not the line of code that fixes it (a slice,
+    a torch call, a method of the learner's own object, index arithmetic): read from every grader."""
+    from kvlab.paths import REPO_ROOT
+    from utils import hands_over_code
+
+    found = [f"{path.name}:{line}: {code} in {text[:80]!r}"
+             for path in sorted((REPO_ROOT / "kvlab" / "course" / "checks").glob("*.py"))
+             for line, text in _grader_strings(path) if " " in text
+             for code in set(hands_over_code(text)) - _DESCRIBES]
+    assert not found, "\n".join(found)
+    assert hands_over_code("preempt the newest (reversed(self.running))") and hands_over_code("tokens[:-1]")

@@ -6,7 +6,7 @@ import torch
 from kvlab.course.checks import check_naive_generate
 from kvlab.reference import naive_generate as reference
 
-from utils import expect_rejected, own_copy
+from utils import expect_rejected, one_step_removed, own_copy
 
 reference = own_copy(reference)          # the graders refuse the library's own code
 
@@ -312,3 +312,20 @@ def test_a_diagnosis_needs_a_second_prompt():
     msg = expect_rejected(check_naive_generate, second_to_last_on_grader_text_0_only,
                           "on another prompt your tokens came out right")
     assert "SECOND-TO-LAST" not in msg
+
+
+def test_the_library_one_step_removed_is_refused_by_what_runs(capsys):
+    """Issue 34, kind 1, in lab 1: the library's generator with no name of it in the learner's code (an
+    attribute of its module in a lambda, a default argument) is refused, naming what ran; a generator
+    that runs one of kvlab's tools (an input check) is still the learner's own."""
+    from kvlab import reference as library
+    from kvlab import validate
+
+    for how, impl in one_step_removed(library.naive_generate).items():
+        expect_rejected(check_naive_generate, impl, "ran kvlab.reference.naive_generate", "write it yourself")
+
+    def checked(model, ids, n):
+        validate.check_int(n, "max_new_tokens", minimum=0)
+        return reference(model, ids, n)
+    check_naive_generate(checked)
+    assert "PASSED check_naive_generate" in capsys.readouterr().out

@@ -14,7 +14,7 @@ from kvlab.course.checks import check_cached_generate
 from kvlab.reference import cached_generate as reference
 from kvlab.reference import naive_generate
 
-from utils import expect_rejected, own_copy
+from utils import expect_rejected, one_step_removed, own_copy
 
 reference, naive_generate = own_copy(reference), own_copy(naive_generate)   # not the library's own
 
@@ -355,3 +355,15 @@ def test_library_refused():
 
     expect_rejected(check_cached_generate, cached_generate, "kvlab.reference.cached_generate",
                     "write it yourself")
+
+
+def test_the_library_one_step_removed_is_refused_by_what_runs():
+    """Issue 34, kind 1, in lab 2: the library's cached generator reached without its name, and lab 1's
+    generator that the lab imports for its timing cells (kvlab.reference.naive_generate), run inside
+    the learner's function, are refused by what ran."""
+    from kvlab import reference as library
+
+    for how, impl in one_step_removed(library.cached_generate).items():
+        expect_rejected(check_cached_generate, impl, "ran kvlab.reference.cached_generate", "write it yourself")
+    until = lambda model, ids, n, eos: library.naive_generate(model, ids, n)       # noqa: E731
+    expect_rejected(check_generate_until, until, "ran kvlab.reference.naive_generate", "write it yourself")

@@ -10,7 +10,7 @@ from kvlab.cache import ConcatCache, PreallocatedCache
 from kvlab.course.checks import check_attention, check_generate_with_cache, check_kv_cache
 from kvlab.gpt2 import attention as reference_attention
 
-from utils import attention_without_mask as attention_no_mask, expect_rejected, own_copy
+from utils import attention_without_mask as attention_no_mask, expect_rejected, one_step_removed, own_copy
 
 # the graders refuse the library's own code: the tests hand in copies, as a learner's would be
 PreallocatedCache, ConcatCache = own_copy(PreallocatedCache), own_copy(ConcatCache)
@@ -358,7 +358,7 @@ def attention_off_on_last_query(q, k, v, past_len):               # a mistake wi
 
 @pytest.mark.parametrize("impl, needles", [
     (attention_remembers_by_shape, ["remembered result"]),
-    (attention_mask_on_cpu, ["meta", "device=q.device"]),
+    (attention_mask_on_cpu, ["meta", "created on q's device"]),
     (attention_scales_q_in_place, ["modified its argument q"]),
     (attention_off_on_last_query, ["largest error", "wrong queries: [5]"]),
 ])
@@ -422,3 +422,39 @@ def test_attention_taking_past_len_from_the_shapes_passes(capsys):
     from kvlab.course.checks import check_attention
     check_attention(attention_past_from_shapes)
     assert "PASSED check_attention" in capsys.readouterr().out
+
+
+class ForwardsToTheLibrary:
+    """Composition: a cache of the learner's whose every method hands on to the library's."""
+
+    def __init__(self, *args, **kwargs):
+        from kvlab import cache
+        self.inner = cache.PreallocatedCache(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def test_the_library_one_step_removed_is_refused_by_what_runs(capsys):
+    """Issue 34, kind 1, in lab 3: the library's attention without its name, and a cache that forwards
+    to the library's, are refused by what ran, in the unit checks and in the end-to-end one (where the
+    grader, not the learner, calls them from inside GPT-2); the learner's own copies pass both."""
+    from kvlab import gpt2
+
+    for how, impl in one_step_removed(gpt2.attention).items():
+        expect_rejected(check_attention, impl, "ran kvlab.gpt2.attention", "write it yourself")
+        expect_rejected(lambda a: check_generate_with_cache(PreallocatedCache, a), impl, "ran kvlab.gpt2.attention")
+    expect_rejected(check_kv_cache, ForwardsToTheLibrary, "ran kvlab.cache.PreallocatedCache")
+    expect_rejected(lambda c: check_generate_with_cache(c, reference_attention), ForwardsToTheLibrary,
+                    "ran kvlab.cache.PreallocatedCache", "write it yourself")
+    check_generate_with_cache(PreallocatedCache, reference_attention)
+    assert "PASSED check_generate_with_cache" in capsys.readouterr().out
+
+
+def test_a_callable_library_object_is_refused_at_the_door():
+    """A kvlab object that calls the library's attention when called (the model's own adapter): the
+    grader calls it, not the learner's code, so only the refusal of what is handed in can see it."""
+    from kvlab import gpt2
+
+    expect_rejected(check_attention, gpt2.PastLenAttention(gpt2.attention), "handed in kvlab.gpt2.PastLenAttention",
+                    "write it yourself")

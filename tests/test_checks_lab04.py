@@ -7,7 +7,7 @@ import torch
 
 from kvlab.course.checks import check_kv_cache_bytes, check_max_batch_size
 
-from utils import expect_rejected, own_copy
+from utils import expect_rejected, one_step_removed, own_copy
 
 
 def _shape(config):
@@ -189,3 +189,16 @@ def test_rejects_hidden_over_heads_in_batch_and_length():
 def test_rejects_a_remembered_answer():
     _SEEN.clear()
     expect_rejected(check_kv_cache_bytes, bytes_remembered_per_config_class, "twice the tokens")
+
+
+def test_the_library_one_step_removed_is_refused_by_what_runs():
+    """Issue 34, kind 1, in lab 4: the library's byte count without its name is refused, and so is a
+    max_batch_size built on it (a default argument); built on the learner's own count it passes (above)."""
+    from kvlab import memory
+
+    for how, impl in one_step_removed(memory.kv_cache_bytes).items():
+        expect_rejected(check_kv_cache_bytes, impl, "ran kvlab.memory.kv_cache_bytes", "write it yourself")
+
+    def max_batch(config, seq_len, dtype, free_bytes, _bytes=memory.kv_cache_bytes):
+        return free_bytes // _bytes(config, seq_len, 1, dtype)
+    expect_rejected(check_max_batch_size, max_batch, "ran kvlab.memory.kv_cache_bytes", "from max_batch (line")

@@ -6,7 +6,7 @@ import torch
 from kvlab.course.checks import check_quantize
 from kvlab.quant import dequantize, quantize
 
-from utils import expect_rejected, own_copy
+from utils import expect_rejected, hands_over_code, one_step_removed, own_copy
 
 quantize, dequantize = own_copy(quantize), own_copy(dequantize)   # not the library's own
 
@@ -135,7 +135,7 @@ def in_place(x, bits, dim):
     (other_axes, ["wrong axis"]),
     (floats_stored, ["article a", "uint8"]),
     (int32_codes, ["torch.uint8"]),
-    (truncation, ["truncate", "torch.round"]),
+    (truncation, ["truncate", "rounding to the nearest code"]),
     (two_pow_bits_levels, ["2**bits - 1"]),
     (nan_on_constant, ["constant slice", "nan"]),
     (any_bits, ["valueerror", "(2, 4, 8)"]),
@@ -143,7 +143,8 @@ def in_place(x, bits, dim):
     (in_place, ["in place"]),
 ])
 def test_rejects(impl, needles):
-    expect_rejected(lambda f: check_quantize(f, dequantize), impl, *needles)
+    message = expect_rejected(lambda f: check_quantize(f, dequantize), impl, *needles)
+    assert not hands_over_code(message), message        # the mistake and the contract, not a line of code
 
 
 def test_rejects_dequantize_without_zero_point():
@@ -250,3 +251,12 @@ def test_library_refused():
 
     expect_rejected(lambda pair: check_quantize(*pair), (quant.quantize, dequantize),
                     "kvlab.quant.quantize")
+
+
+def test_the_library_one_step_removed_is_refused_by_what_runs():
+    """Issue 34, kind 1, in lab 5: the library's quantizer without its name (next to the learner's own
+    dequantize) is refused, naming what ran."""
+    from kvlab import quant
+
+    for how, impl in one_step_removed(quant.quantize).items():
+        expect_rejected(lambda q: check_quantize(q, dequantize), impl, "ran kvlab.quant.quantize", "write it yourself")

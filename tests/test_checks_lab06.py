@@ -12,7 +12,7 @@ from kvlab.batching import positions_from_mask
 from kvlab.course.checks import check_batched_generate, check_make_batch
 from kvlab.reference import cached_generate
 
-from utils import expect_rejected, own_copy
+from utils import expect_rejected, one_step_removed, own_copy
 
 # the graders refuse the library's own code: the tests hand in copies, as a learner's would be
 reference_generate, reference_make_batch = own_copy(reference_generate), own_copy(reference_make_batch)
@@ -59,7 +59,7 @@ def _batch(tok, prompts, padding="left", positions="mask", mask="real", fallback
 
 @pytest.mark.parametrize("impl, needles", [
     (functools.partial(_batch, padding="right"), ["right padding"]),
-    (functools.partial(_batch, positions="columns"), ["cumsum"]),
+    (functools.partial(_batch, positions="columns"), ["the column number", "real tokens only"]),
     (functools.partial(_batch, positions="unclamped"), ["clamp"]),
     (functools.partial(_batch, mask="ones"), ["all ones"]),
     (functools.partial(_batch, fallback=False), ["no pad token", "eos"]),
@@ -384,3 +384,20 @@ def test_library_refused():
 
     expect_rejected(check_make_batch, batching.make_batch, "kvlab.batching.make_batch")
     expect_rejected(check_batched_generate, batching.batched_generate, "write it yourself")
+
+
+def test_the_library_one_step_removed_is_refused_by_what_runs():
+    """Issue 34, kind 1, in lab 6: the library's batch builder without its name, a generator built on it
+    (a default argument), and one_by_one (imported by the lab for its comparison cell) run inside the
+    learner's generator are refused by what ran."""
+    from kvlab import batching
+
+    for how, impl in one_step_removed(batching.make_batch).items():
+        expect_rejected(check_make_batch, impl, "ran kvlab.batching.make_batch", "write it yourself")
+
+    def on_the_library_batch(model, tokenizer, prompts, n, _batch=batching.make_batch):
+        _batch(tokenizer, prompts)
+        return reference_generate(model, tokenizer, prompts, n)
+    expect_rejected(check_batched_generate, on_the_library_batch, "ran kvlab.batching.make_batch")
+    alone = lambda model, tokenizer, prompts, n: batching.one_by_one(model, tokenizer, prompts, n)   # noqa: E731
+    expect_rejected(check_batched_generate, alone, "ran kvlab.batching.one_by_one")

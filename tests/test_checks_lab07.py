@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from utils import expect_rejected, own_copy
+from utils import expect_rejected, hands_over_code, own_copy
 from kvlab import memory as _ch4_memory
 from kvlab import roofline
 from kvlab.course.checks import (check_bound_and_critical, check_decode_step_bytes, check_overhead_fit,
@@ -249,6 +249,7 @@ def test_floor_mistakes_rejected_by_name(name):
     impl, needles = WRONG_FLOOR[name]
     msg = expect_rejected(check_step_time_floor, impl, *needles)
     assert "SMALLER" not in msg or name == "min"          # units are not "the smaller of the two"
+    assert not hands_over_code(msg), msg                  # the mistake, not the answer's formula
 
 
 def numpy_floor(model, B, S, bw, fl):

@@ -297,7 +297,6 @@ def test_no_recompile_checks_another_model():
     """Issue 34, kind 6: a hard-coded attention scale and a cache fixed to float32 pass every step on
     kvlab-tiny; a float64 GPT-2 with heads of 24 shows both. A correct pair passes there too."""
     from kvlab.course.checks import lab08
-    assert lab08.reference_static_attention is not None
     expect_rejected(lambda a: check_no_recompile(StaticKVCache, a, steps=4), attention_scale_of_tiny,
                     "3 heads of 24", "fixed to kvlab-tiny")
     expect_rejected(lambda c: check_no_recompile(c, static_attention_explicit, steps=4), CacheFloat32Always,
@@ -572,7 +571,7 @@ def attention_off_on_last_query(q, k, v, pos):      # a mistake with no name
 
 @pytest.mark.parametrize("impl, needles", [
     (attention_remembers, ["remembered result"]),
-    (attention_mask_on_cpu, ["meta", "device=q.device"]),
+    (attention_mask_on_cpu, ["meta", "on q's device"]),
     (attention_tolist, [".tolist()"]),
     (attention_off_on_last_query, ["largest error", "wrong queries"]),
 ])

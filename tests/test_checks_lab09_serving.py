@@ -8,7 +8,7 @@ from kvlab.course.checks import check_prefix_cache, check_scheduler
 from kvlab.paged import OutOfBlocks
 from kvlab.serving import Batch, BlockManager, Scheduler, Status
 
-from utils import expect_rejected, own_copy
+from utils import expect_rejected, hands_over_code, own_copy
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -148,17 +148,18 @@ WRONG = [
     # issue 34, kind 7: prompt chunks before decodes, seen also when the step has no room left
     (_variant(chunks_first=True), ["is decoding and got no token", "decoding come first"]),
     # a raw OutOfBlocks from the learner's grant becomes a named failure
-    (_variant(grant_unasked=True), ["OutOfBlocks", "can_hold"]),
+    (_variant(grant_unasked=True), ["OutOfBlocks", "without first asking whether the pool can hold them"]),
     (_variant(shortest_first=True), ["first come, first served"]),
     (_variant(no_chunks=True), ["left waiting", "chunks"]),
-    (_variant(cached_counted_twice=True), ["left waiting", "from the prefix cache", "beyond cached_tokens"]),
+    (_variant(cached_counted_twice=True), ["left waiting", "from the prefix cache", "room it does not need"]),
 ]
 
 
 @pytest.mark.parametrize("impl,needles", WRONG, ids=["past-budget", "oldest-victim", "lost-tokens", "starves", "chunks-first", "grant-unasked",
                                                       "overtakes", "no-chunks", "cached-twice"])
 def test_wrong_schedulers_rejected(impl, needles):
-    expect_rejected(check_scheduler, impl, *needles)
+    message = expect_rejected(check_scheduler, impl, *needles)
+    assert not hands_over_code(message), message        # the mistake and the rule, not the fixing line
 
 
 class NeverPreempts(Scheduler):
@@ -192,8 +193,10 @@ class AdmitsWhilePreempting(IndexScheduler):
 
 
 def test_first_attempts_get_the_fix_named():
-    expect_rejected(check_scheduler, NeverPreempts, "could not hold it", "preempt the newest")
-    expect_rejected(check_scheduler, AdmitsWhilePreempting, "had to preempt", "admit no one")
+    for wrong, needles in ((NeverPreempts, ("could not hold it", "preempt the newest")),
+                           (AdmitsWhilePreempting, ("had to preempt", "admit no one"))):
+        message = expect_rejected(check_scheduler, wrong, *needles)
+        assert not hands_over_code(message), message
 
 
 def test_a_raising_scheduler_is_named():
@@ -263,7 +266,7 @@ class LookupCountsHits(WalkCache):
 def test_prefix_cache_policies():
     """Issue 34, kind 7: an eviction that leaves a stale entry (the prefix never found again) and a
     lookup that changes a counter are rejected, each named."""
-    expect_rejected(check_prefix_cache, EvictKeepsKeyOf, "in your evict", "both forget it")
+    expect_rejected(check_prefix_cache, EvictKeepsKeyOf, "in your evict", "of the two maps between keys and blocks")
     expect_rejected(check_prefix_cache, EvictKeepsBlockOfAfterReuse, "found again", "no key at all")
     expect_rejected(check_prefix_cache, LookupCountsHits, "lookup changed the cache", "hits")
 
@@ -337,7 +340,7 @@ class TouchesOnLookup(WalkCache):
 
 
 WRONG_CACHES = [
-    (KeepsOldKey, ["old key", "forget the key"]),
+    (KeepsOldKey, ["old key", "left that key behind"]),
     (MostRecent, ["least recently used"]),
     (WholePrompt, ["last token"]),
     (TokensOnly, ["parent", "whole prefix"]),
@@ -347,4 +350,5 @@ WRONG_CACHES = [
 
 @pytest.mark.parametrize("impl,needles", WRONG_CACHES, ids=[c.__name__ for c, _ in WRONG_CACHES])
 def test_wrong_prefix_caches_rejected(impl, needles):
-    expect_rejected(check_prefix_cache, impl, *needles)
+    message = expect_rejected(check_prefix_cache, impl, *needles)
+    assert not hands_over_code(message), message

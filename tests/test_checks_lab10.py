@@ -5,6 +5,8 @@ import torch
 
 from kvlab.course.checks import check_speculative_step, check_speedup_prediction
 from kvlab.speculative import verify as library_verify
+
+from utils import one_step_removed
 from utils import expect_rejected
 
 
@@ -125,3 +127,13 @@ def test_prediction_passes_and_is_graded_against_the_measurement(capsys):
 ], ids=["bonus left out of E", "alpha = 1 divides by zero", "V ignored", "draft cost once", "k by tokens per step"])
 def test_prediction_mistakes(fns, needles):
     expect_rejected(lambda f: check_speedup_prediction(*f, False, MEASURED), fns, *needles)
+
+
+def test_the_library_one_step_removed_is_refused_by_what_runs():
+    """Issue 34, kind 1, in lab 10: the library's verify reached without its name is refused, naming
+    what ran; calling the target and its cache's rewind (what the step is handed) is allowed (every
+    correct step above does)."""
+    for how, verify in one_step_removed(library_verify).items():
+        def step(target, cache, draft, tokens, k, eos_token_id=None, _verify=verify):
+            return _verify(target, cache, tokens, draft.propose(tokens, k))
+        expect_rejected(check_speculative_step, step, "ran kvlab.speculative.verify", "write it yourself")

@@ -9,7 +9,7 @@ from kvlab.cache import EMPTY, Cache
 from kvlab.course.checks import check_gqa_conversion, check_sink_window_cache, check_window_prediction
 from kvlab.window import SinkWindowKVCache
 
-from utils import expect_rejected
+from utils import expect_rejected, hands_over_code, one_step_removed, own_copy
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -137,8 +137,8 @@ def test_correct_caches_pass(capsys):
     (SlotPositions, ["its slot in your cache, not its position"]),
     (EvictsBeforeAttending, ["window - 1 tokens before it plus its own k"]),
     (WholeChunk, ["outside its window", "EMPTY"]),
-    (Library, ["library's own implementation"]),
-    (SinkWindowKVCache, ["library's own implementation"]),
+    (Library, ["built on kvlab.window.SinkWindowKVCache", "write it yourself"]),
+    (SinkWindowKVCache, ["built on kvlab.window.SinkWindowKVCache", "write it yourself"]),
 ])
 def test_wrong_caches_are_named(cls, needles):
     expect_rejected(check_sink_window_cache, cls, *needles)
@@ -237,10 +237,11 @@ def tiled(x, group):
     (strided, repeat, ["consecutive heads"]),
     (no_check, repeat, ["must raise ValueError"]),
     (in_place, repeat, ["in place"]),
-    (pool, tiled, ["h % n_kv", "h // group"]),
+    (pool, tiled, ["heads tiled", "consecutive query heads"]),
 ])
 def test_wrong_conversions_are_named(pool_fn, repeat_fn, needles):
-    expect_rejected(lambda f: check_gqa_conversion(*f), (pool_fn, repeat_fn), *needles)
+    message = expect_rejected(lambda f: check_gqa_conversion(*f), (pool_fn, repeat_fn), *needles)
+    assert not hands_over_code(message), message        # the mistake and the rule, not the fixing line
 
 
 def test_library_conversion_refused():
@@ -265,3 +266,26 @@ def test_prediction_within_a_step_passes_and_far_fails(capsys):
     expect_rejected(check, {0: 100}, "predict one of the windows you ran")
     expect_rejected(check, {8: 64}, "no row with sinks=8")
     expect_rejected(check, [64], "must be a dict")
+
+
+class ForwardsToTheLibrary:
+    """Composition: every method hands on to the library's sink + window cache."""
+
+    def __init__(self, n_layer, window, sinks=0):
+        self.inner = SinkWindowKVCache(n_layer, window, sinks)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def test_the_library_one_step_removed_is_refused_by_what_runs(capsys):
+    """Issue 34, kind 1, in lab 11: a cache forwarding to the library's, and the library's repeat_kv
+    without its name, are refused by what ran; the learner's own copy of the library's cache passes."""
+    from kvlab import gqa
+
+    expect_rejected(check_sink_window_cache, ForwardsToTheLibrary, "ran kvlab.window.SinkWindowKVCache",
+                    "write it yourself")
+    for how, impl in one_step_removed(gqa.repeat_kv).items():
+        expect_rejected(lambda r: check_gqa_conversion(pool, r), impl, "ran kvlab.gqa.repeat_kv", "write it yourself")
+    check_sink_window_cache(own_copy(SinkWindowKVCache))
+    assert "PASSED check_sink_window_cache" in capsys.readouterr().out

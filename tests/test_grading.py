@@ -77,8 +77,8 @@ def test_regenerating_refuses_a_learners_lab_and_overwrite_keeps_a_backup(tmp_pa
 
     r = run("kvlab.course.labs", "--root", root)
     assert r.returncode == 1, r.stdout + r.stderr
-    assert f"labs/{LAB1}: cell 3 (exercise naive_generate), cell 8 (exercise sample_generate)" in r.stderr
-    assert f"labs/{LAB2}: cell 5 (prompt = 'my own prompt')" in r.stderr
+    assert f"labs/{LAB1}: cell 4 (exercise naive_generate), cell 9 (exercise sample_generate)" in r.stderr
+    assert f"labs/{LAB2}: cell 6 (prompt = 'my own prompt')" in r.stderr
     assert "--overwrite" in r.stderr and "labs/backup/" in r.stderr
     assert {n: (root / "labs" / n).read_bytes() for n in before} == before, "a learner's lab was changed"
     assert "wrote labs/lab04_memory_math.ipynb" in r.stdout, "a lab nobody touched is still regenerated"
@@ -108,12 +108,12 @@ def test_check_ignores_a_learners_cells_but_not_a_stale_lab(tmp_path):
              .replace("# BEGIN SOLUTION", "# a new hint\n    # BEGIN SOLUTION"))
     r = run("kvlab.course.labs", "--root", root, "--check")
     assert r.returncode == 1
-    assert f"labs/{LAB1}: cell 4 (Try it on a prompt of your own, then run...) differs from solutions/" in r.stdout
-    assert f"labs/{LAB2}: cell 3 (exercise cached_generate) differs from solutions/" in r.stdout   # untouched stub
+    assert f"labs/{LAB1}: cell 5 (Try it on a prompt of your own, then run...) differs from solutions/" in r.stdout
+    assert f"labs/{LAB2}: cell 4 (exercise cached_generate) differs from solutions/" in r.stdout   # untouched stub
 
     fill_with_solution(root, LAB2)   # the learner now works in that exercise: the change is still reported
     r = run("kvlab.course.labs", "--root", root, "--check")
-    assert "cell 3 (exercise cached_generate) was changed in solutions/ after you began it" in r.stdout, r.stdout
+    assert "cell 4 (exercise cached_generate) was changed in solutions/ after you began it" in r.stdout, r.stdout
 
 
 @pytest.mark.parametrize("path", sorted((REPO_ROOT / "labs").glob("lab*.ipynb")), ids=lambda p: p.name)
@@ -193,13 +193,19 @@ def test_the_scorecard_counts_a_mix_of_labs(tmp_path, monkeypatch):
     assert "3 of 5 started: 1 passed, 2 in progress" in out, out
     assert re.search(r"^lab01_done\s+passed\s+\d+\s*$", out, re.M), out
     assert re.search(r"^lab02_wrong\s+in progress\s+\d+\s+1 of 2 checks fail$", out, re.M), out
-    assert "    check_times (cell 5): AssertionError: times_2(3) returned 5, not 6\n" in out   # first line only
-    assert "    check_times (cell 5): NotImplementedError: Exercise: write times_2" in out        # lab03's stub
+    # named as the learner finds it: the heading above, every cell counted from the top from 1, and
+    # pytest's own name (nbval counts code cells only, from 0), read back from the run itself
+    where = 'check_times under "lab02_wrong" (cell 6 from the top, pytest\'s Cell 4)'
+    assert f"    {where}: AssertionError: times_2(3) returned 5, not 6\n" in out, out   # first line only
+    assert "    check_times under \"lab03_half\" (cell 6 from the top, pytest's Cell 4): NotImplementedError: " \
+           "Exercise: write times_2" in out                                                  # lab03's stub
+    ran = json.loads((tmp_path / "_build" / "grade" / "lab02_wrong.json").read_text())
+    assert [n.split("::")[-1] for n, c in ran.items() if c["outcome"] == "failed"] == ["Cell 4"], ran
     assert re.search(r"^lab04_untouched\s+not started\s+-$", out, re.M)
     assert re.search(r"^lab05_notes\s+not started\s+-$", out, re.M)
     md = summary.read_text()
     assert "| lab | status | seconds |" in md and md.count("| not started |") == 2, md
-    assert "| lab02_wrong | in progress :x: |" in md and "`check_times (cell 5)`: AssertionError: times_2(3)" in md
+    assert "| lab02_wrong | in progress :x: |" in md and f"`{where}`: AssertionError: times_2(3)" in md
     assert "**3 of 5 started: 1 passed, 2 in progress**" in md
 
     r = run("kvlab.course.grade", "--root", tmp_path, "--lab", "1", "--require-pass")
@@ -219,7 +225,8 @@ def test_a_learners_real_labs_completed_and_wrong(tmp_path):
     assert r.returncode == 1, out + r.stderr
     assert re.search(r"^lab01_naive_generation\s+passed\s+\d+\s*$", out, re.M), out
     assert re.search(r"^lab02_cached_generation\s+in progress\s+\d+", out, re.M), out
-    assert re.search(r"check_cached_generate \(cell 6\): GraderFailure: .*use_cache=False", out), out
+    assert re.search(r'check_cached_generate under "Exercise 1: `cached_generate`" \(cell 7 from the top, '
+                     r"pytest's Cell 3\): GraderFailure: .*use_cache=False", out), out
     assert f"2 of {len(list((root / 'labs').glob('lab*.ipynb')))} started: 1 passed, 1 in progress" in out
     assert (root / "_build" / "grade" / "lab02_cached_generation.log").exists()
     assert run("kvlab.course.labs", "--root", root, "--check").returncode == 0

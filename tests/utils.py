@@ -5,6 +5,7 @@ Import them by module name: pytest puts this folder on ``sys.path`` (``from util
 
 import inspect
 import math
+import re
 import sys
 import types
 
@@ -54,6 +55,30 @@ def _copied_module(name: str):
                 getattr(value, "__module__", "").startswith("kvlab.") and value.__module__ != name:
             module.__dict__[key] = getattr(_copied_module(value.__module__), value.__name__)
     return module
+
+
+def one_step_removed(fn) -> dict:
+    """The library's ``fn`` reached without its name in the learner's code (issue 34, kind 1): looked up
+    on its module inside a lambda, and bound as a default argument. Either is the library's code run
+    on the learner's behalf; only a check that watches what runs sees it."""
+    module = sys.modules[fn.__module__]
+    through_module = lambda *args, **kwargs: getattr(module, fn.__name__)(*args, **kwargs)  # noqa: E731
+
+    def default_argument(*args, _impl=fn, **kwargs):
+        return _impl(*args, **kwargs)
+    return {"an attribute of its module, in a lambda": through_module, "a default argument": default_argument}
+
+
+# Code that hands a learner the fix (issue 34): an attribute or method of the learner's own object, a
+# slice, a call of a builtin that picks or orders (min, max, list, reversed, popitem), index arithmetic,
+# a torch call. A grader's message names the mistake and the rule in words, not the line that fixes it.
+_FIX_AS_CODE = re.compile(r"\bself\.\w+|\[[^\]]*:[^\]]*\]|popitem|\b(reversed|min|max|list|sorted)\(|\w \+?//|"
+                          r"\w+ % \w+|\btorch\.\w+\(|\.(append|pop|expand|repeat|cumsum|amin|amax|clamp)\(")
+
+
+def hands_over_code(message: str) -> list[str]:
+    """The pieces of ``message`` that read as code fixing the mistake (empty: none)."""
+    return [m.group(0) for m in _FIX_AS_CODE.finditer(message)]
 
 
 def attention_without_mask(q, k, v, past_len):

@@ -136,11 +136,20 @@ def run_nbval(path: Path, root: Path, cell_timeout: int) -> tuple[int, dict, Pat
 
 
 def label(lab: dict, cell: dict) -> str:
-    """Which cell failed, in the learner's words: the check it calls, else its exercise, else its index."""
-    check = CHECK_CALL.search(cell.get("source") or "")
+    """Which cell failed, as the learner finds it in the notebook: the check it calls and the heading
+    it sits under (``check_kv_cache under "Exercise 2: ..."``), its place counting every cell from the
+    top, from 1, and pytest's own name for it (nbval's ``Cell N`` counts code cells only, from 0, so
+    it differs: both are given, to find the cell in the notebook and in the full report)."""
     ids = [c.get("id") for c in lab["cells"]]
-    where = L.describe(lab, ids.index(cell["id"])) if cell.get("id") in ids else "a cell"
-    return f"{check.group(1)} ({where.split(' (')[0]})" if check else where
+    if cell.get("id") not in ids:
+        return "a cell"
+    k = ids.index(cell["id"])
+    check = CHECK_CALL.search(cell.get("source") or "")
+    if check is None:
+        return f"{L.describe(lab, k)}, pytest's {L.pytest_name(lab, k)}"
+    heading = L.heading_above(lab, k)
+    under = f' under "{heading[:50] + ("..." if len(heading) > 50 else "")}"' if heading else ""
+    return f"{check.group(1)}{under} (cell {k + 1} from the top, pytest's {L.pytest_name(lab, k)})"
 
 
 def read_lab(path: Path) -> dict | None:

@@ -223,17 +223,36 @@ def started(lab) -> list[int] | None:
 
 
 def describe(lab, k: int) -> str:
-    """A learner-readable name of cell ``k``: its exercise, else its first line."""
+    """A learner-readable name of cell ``k`` (0-based): its place as a learner counts it, every cell
+    from the top, text cells too, from 1; then its exercise, else its first line."""
     if k < 0:
         return "a deleted exercise cell"
     cell = lab["cells"][k]
     names = (_meta(lab).get("exercises") or {}).get(cell.get("id"))
     if names:
-        return f"cell {k} (exercise {', '.join(names)})"
+        return f"cell {k + 1} (exercise {', '.join(names)})"
     if cell.get("id") not in (_meta(lab).get("cells") or {}):
-        return f"cell {k} (a cell you added)"
+        return f"cell {k + 1} (a cell you added)"
     first = next((line.strip() for line in cell_source(cell).splitlines() if line.strip()), "")
-    return f"cell {k} ({first[:40] + ('...' if len(first) > 40 else '')})"
+    return f"cell {k + 1} ({first[:40] + ('...' if len(first) > 40 else '')})"
+
+
+def heading_above(lab, k: int) -> str | None:
+    """The heading a learner reads above cell ``k``: the last ``#`` line of the nearest text cell that
+    has one, at or above it (e.g. ``Exercise 2: a preallocated cache``)."""
+    for cell in reversed(lab["cells"][:k + 1]):
+        if cell["cell_type"] != "markdown":
+            continue
+        heads = [line.strip().lstrip("#").strip() for line in cell_source(cell).splitlines()
+                 if line.lstrip().startswith("#")]
+        if heads:
+            return heads[-1]
+    return None
+
+
+def pytest_name(lab, k: int) -> str:
+    """What ``pytest --nbval-lax`` calls cell ``k``: nbval counts code cells only, from 0."""
+    return f"Cell {sum(c['cell_type'] == 'code' for c in lab['cells'][:k])}"
 
 
 def _has_outputs(lab) -> bool:

@@ -2,21 +2,20 @@
 generation grader uses (a private copy of the model, a record of every forward call, a refused
 ``model.generate``, a learner's exception wrapped with the call that raised it).
 
-THE RULE of what a learner's code may run of kvlab (labs 7 on; chapters 10 and 11's labs follow it, and
-state it in their first cell as labs 7-9 do): a learner writes each exercise with Python, torch and
-transformers. Of kvlab, their code may run only (a) the tools, :data:`TOOL_MODULES` (loading,
-provenance, paths, timing, plots, progress, validate) and the cache interface ``kvlab.cache.Cache``
-(a base class a learner's cache may take), and (b) what the exercise hands over: the
-objects a grader passes in (the model, the engine's scheduler and block manager, a compiled step) and
-the functions a lab names as given. Nothing else of kvlab may run on behalf of their code: not the
-library's answer, not its other functions or classes, however reached (a lambda's attribute chain, a
-default argument, a class forwarding to the library's, a subclass inheriting its method, the pieces
-assembled in an end-to-end check). It is enforced by what RUNS (:class:`LibraryWatch`, a profiler over
-the whole check), not by names; a grader declares its ``given`` (and, where the exercise is to extend a
-library class, the ``graded`` methods the learner must define) in ``checks/__init__.py``'s ``_RULES``.
-A new grader adds its line there; its tests show the library one step removed refused and a learner's
-own copy of the library's code (``tests/conftest.own_copy``) accepted. Labs 1-6 still refuse by name
-(:func:`refuse_library`)."""
+THE RULE of what a learner's code may run of kvlab (every lab states it in its first cell): a learner
+writes each exercise with Python, torch and transformers. Of kvlab, their code may run only (a) the
+tools, :data:`TOOL_MODULES` (loading, provenance, paths, timing, plots, progress, validate) and the
+cache interface ``kvlab.cache.Cache`` (a base class a learner's cache may take), and (b) what the
+exercise hands over: the objects a grader passes in (the model, the engine's scheduler and block
+manager, a compiled step) and the functions a lab names as given. Nothing else of kvlab may run on
+behalf of their code: not the library's answer, not its other functions or classes, however reached
+(a lambda's attribute chain, a default argument, a class forwarding to the library's, a subclass
+inheriting its method, the pieces assembled in an end-to-end check). It is enforced by what RUNS
+(:class:`LibraryWatch`, a profiler over the whole check), not by names; every grader declares its
+``given`` (and, where the exercise is to extend a library class, the ``graded`` methods the learner
+must define) in ``checks/__init__.py``'s ``_RULES``. A new grader adds its line there; its tests show
+the library one step removed refused and a learner's own copy of the library's code
+(``tests/utils.own_copy``) accepted."""
 
 from __future__ import annotations
 
@@ -25,7 +24,6 @@ import functools
 import inspect
 import os
 import sys
-import contextlib
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -372,78 +370,6 @@ def _codes(code):
             yield from _codes(const)
 
 
-def _own_functions(obj):
-    """The learner's own functions behind ``obj``: itself, or the methods its class defines."""
-    if inspect.isclass(obj):
-        for klass in obj.__mro__:
-            if klass is object or _in_kvlab(klass.__module__):
-                continue
-            for value in vars(klass).values():
-                value = getattr(value, "fget", value)           # a property's getter
-                value = getattr(value, "__func__", value)       # static/class methods
-                if inspect.isfunction(value):
-                    yield value
-    elif inspect.isfunction(inspect.unwrap(obj)):
-        yield inspect.unwrap(obj)
-
-
-# kvlab modules that are tools, not answers: a learner's code may import these
-_LIBRARY_TOOLS = ("kvlab.loading", "kvlab.provenance", "kvlab.paths", "kvlab.timing", "kvlab.plots", "kvlab.course.checks")
-
-
-def library_calls(obj) -> list[str]:
-    """The kvlab functions and classes the learner's ``obj`` names in its code (read from the code,
-    not run): ``gpt2.attention(...)`` or ``attention(...)`` imported from kvlab, in a wrapper."""
-    import builtins
-    import dis
-
-    found = []
-    for fn in _own_functions(obj):
-        g = getattr(fn, "__globals__", {})
-        for code in _codes(fn.__code__):
-            ops = list(dis.get_instructions(code))
-            for n, (op, after) in enumerate(zip(ops, ops[1:] + [None])):
-                if op.opname == "IMPORT_NAME" and _in_kvlab(str(op.argval)):
-                    names = []
-                    for later in ops[n + 1:]:           # from kvlab.x import a, b
-                        if later.opname != "IMPORT_FROM" and later.opname.startswith("IMPORT"):
-                            break
-                        if later.opname == "IMPORT_FROM":
-                            names.append(f"{op.argval}.{later.argval}")
-                    used = [m for m in names or [str(op.argval)]
-                            if not m.startswith(_LIBRARY_TOOLS)]
-                    found += [f"{m} (imported inside your code)" for m in used]
-                    continue
-                if op.opname not in ("LOAD_GLOBAL", "LOAD_NAME") or not isinstance(op.argval, str):
-                    continue                     # only global names, not attributes or locals
-                value = g.get(op.argval, getattr(builtins, op.argval, None))
-                if inspect.ismodule(value) and _in_kvlab(value.__name__):
-                    if after is not None and after.opname in ("LOAD_ATTR", "LOAD_METHOD"):
-                        value = getattr(value, str(after.argval), None)   # kvlab.x.name
-                    else:
-                        continue
-                where = None if value is None or inspect.ismodule(value) else library_origin(value)
-                if where is not None:
-                    found.append(where)
-    return sorted(set(found))
-
-
-def refuse_library(check: str, args) -> None:
-    """A learner who hands the library's own reference to a grader, or a wrapper that calls it, is
-    told to write their own."""
-    for a in args:
-        where = library_origin(a)
-        if where is not None:
-            raise fail(check, f"you handed in {where}, the library's own implementation (or a "
-                              "class built on it). The exercise is to write it yourself: define "
-                              "your own function or class in the notebook and pass that")
-        calls = library_calls(a)
-        if calls:
-            raise fail(check, f"your code uses {', '.join(calls[:3])}, the library's own "
-                              "implementation. The exercise is to write it yourself (torch and "
-                              "transformers are yours to use; kvlab's answers are not)")
-
-
 def _grader_frame(tb) -> bool:
     return os.path.abspath(tb.tb_frame.f_code.co_filename).startswith(_CHECKS_DIR)
 
@@ -478,39 +404,32 @@ def _trimmed(failure: BaseException) -> BaseException:
     return failure
 
 
-def grader(check=None, *, own_work: bool = True, given=None, graded=None):
-    """Decorate a ``check_*``: it refuses the library's own implementations (``own_work``: by name,
-    labs 1-6; ``given`` not None: by what runs, :class:`LibraryWatch`, labs 7 on) and, when it fails,
-    raises its verdict without the grader's frames in the traceback."""
+def grader(check=None, *, given=(), graded=None):
+    """Decorate a ``check_*``: it enforces THE RULE (:class:`LibraryWatch`: of kvlab, the learner's
+    code may run only the tools and ``given``; ``graded``: see :func:`refuse_handed_in`) and, when it
+    fails, raises its verdict without the grader's frames in the traceback."""
     def wrap(check):
         @functools.wraps(check)
         def run(*args, **kwargs):
             __tracebackhide__ = True  # noqa: F841 - pytest and IPython hide this frame
-            handed = list(args) + list(kwargs.values())
-            watch = contextlib.nullcontext() if given is None else LibraryWatch(given)
+            watch = LibraryWatch(given)
             try:
-                if given is not None:
-                    refuse_handed_in(check.__name__, handed, graded)
-                elif own_work:
-                    refuse_library(check.__name__, handed)
+                refuse_handed_in(check.__name__, list(args) + list(kwargs.values()), graded)
                 with watch:
                     out = check(*args, **kwargs)
-                ran = None if given is None else watch.verdict(check.__name__)
-                if ran is None:
+                verdict = watch.verdict(check.__name__)
+                if verdict is None:
                     return out
-                verdict = ran
             except (GraderFailure, NotImplementedError) as e:
                 # the library's code run by the learner's is the root cause of any other failure
-                ran = None if given is None else watch.verdict(check.__name__)
-                verdict = e if ran is None else ran
+                verdict = watch.verdict(check.__name__) or e
             except Exception as e:  # noqa: BLE001 - what was handed in broke the grading itself
-                verdict = fail(check.__name__, f"grading stopped on {type(e).__name__}: {e}. What "
-                                               "you handed in does not follow the contract the "
-                                               "exercise describes (a missing method or "
-                                               "attribute, another return type?)")
-                verdict.__cause__ = e
-                ran = None if given is None else watch.verdict(check.__name__)
-                verdict = verdict if ran is None else ran
+                broke = fail(check.__name__, f"grading stopped on {type(e).__name__}: {e}. What "
+                                             "you handed in does not follow the contract the "
+                                             "exercise describes (a missing method or "
+                                             "attribute, another return type?)")
+                broke.__cause__ = e
+                verdict = watch.verdict(check.__name__) or broke
             # The check failed. Its message, below, names the mistake and the fix; the grader's
             # own frames are cut from this traceback (what is left above is your code).
             raise _trimmed(verdict)
@@ -720,7 +639,7 @@ def _name_of(frame) -> str:
 
 
 class LibraryWatch:
-    """THE RULE (labs 7 onward; chapters 10 and 11's labs follow it): a learner's code may run, of
+    """THE RULE (every lab): a learner's code may run, of
     kvlab, only (a) the tools (:data:`TOOL_MODULES`), (b) what the exercise hands over (the model,
     the engine's objects, a function the lab names as given) and (c) nothing else: not the library's
     answer to the exercise, nor any other kvlab function or class. It is enforced by what RUNS, not
@@ -779,16 +698,15 @@ class LibraryWatch:
 
 
 def refuse_handed_in(check: str, args, graded=None) -> None:
-    """A kvlab function handed in (or a partial, bound method, wraps of one) is refused; so is a
-    class handed in that inherits a concrete kvlab class, except a subclass of the
+    """A kvlab function handed in (or a partial, bound method, wraps of one, a callable kvlab object)
+    is refused; so is a class handed in that inherits a concrete kvlab class, except a subclass of the
     class an exercise says to extend (``graded``: {library class: names the learner must write}),
     which must define every one of those names itself."""
     graded = graded or {}
     for a in args:
         if not inspect.isclass(a):
-            if (inspect.isfunction(a) or inspect.ismethod(a) or inspect.isbuiltin(a)
-                    or isinstance(a, functools.partial)) and library_origin(a) is not None:
-                raise fail(check, f"you handed in {library_origin(a)}, the library's own function. "
+            if callable(a) and library_origin(a) is not None:     # a function, partial, method, object
+                raise fail(check, f"you handed in {library_origin(a)}, the library's own code. "
                                   "The exercise is to write it yourself")
             continue
         for base, names in graded.items():

@@ -30,7 +30,7 @@ NAME_UNTIL = "check_generate_until"
 # decode call feeds (T + k - 2). The first row whose test holds names the mistake.
 _RULES = [
     ("any", lambda c, k, T, n, pos: c.ids is None,
-     "call the model with token ids, model(input_ids, cache=...), not inputs_embeds"),
+     "call the model with token ids (input_ids, and the cache), not inputs_embeds"),
     ("any", lambda c, k, T, n, pos: c.cache is not None and c.cache_len is None,
      "the cache you passed is not a transformers Cache: create one with DynamicCache(config="
      "model.config) (transformers >= 5 no longer takes tuples of tensors), or reuse out.cache"),

@@ -9,7 +9,6 @@
 
 from __future__ import annotations
 
-import math
 import operator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -18,10 +17,11 @@ import torch
 
 from kvlab.reference import hf_greedy
 from kvlab.reference import first_difference
-from ._common import (GraderFailure, call_unmodified, confirmed, expect_value_error, fail,
+from ._common import (GraderFailure, call_unmodified, expect_value_error, fail,
                       fresh_prompts, grading_model, held_tensors, learner_call, misplaced, passed)
 
 from kvlab.configs import kv_dims
+from ._attention import float64_attention, name_the_mistake, where_wrong
 from kvlab.cache import PreallocatedCache
 from kvlab.gpt2 import GPT2, generate, sdpa_attention
 
@@ -295,20 +295,6 @@ def check_kv_cache(KVCache) -> None:
 # attention
 
 
-def reference_attention(q, k, v, past_len, scale="sqrt", mask="causal"):
-    """float64 attention (and the usual mistakes, for diagnosis)."""
-    q, k, v = q.double(), k.double(), v.double()
-    T, S, D = q.shape[2], k.shape[2], q.shape[3]
-    s = {"sqrt": 1 / math.sqrt(D), "D": 1 / D, "none": 1.0}[scale]
-    scores = torch.einsum("bhtd,bhsd->bhts", q, k) * s
-    qpos = torch.arange(T)[:, None] + (past_len if mask in ("causal", "strict") else 0)
-    kpos = torch.arange(S)[None, :]
-    allowed = {"causal": kpos <= qpos, "topleft": kpos <= qpos, "strict": kpos < qpos,
-               "none": torch.ones(T, S, dtype=torch.bool)}[mask]
-    scores = scores.masked_fill(~allowed, float("-inf"))
-    return torch.einsum("bhts,bhsd->bhtd", torch.softmax(scores, -1), v)
-
-
 _MISTAKES = [
     (dict(mask="none"), "there is no causal mask: a new token at position past_len+i may only "
                         "attend to keys 0 .. past_len+i; mask the scores of later keys with -inf "
@@ -379,25 +365,10 @@ def _inputs(B, H, T, past, D, gen):
     return q, k, v
 
 
-def _explains(kwargs):
-    return lambda p: torch.allclose(p[0], reference_attention(*p[1:], **kwargs), atol=1e-5)
-
-
-def _where_wrong(got, want, past) -> str:
-    """Where the largest error sits: batch row, head, query (and its position), channel."""
-    err = (got - want).abs()
-    b, h, i, d = (int(x) for x in torch.unravel_index(err.argmax(), err.shape))
-    rows = sorted({int(x) for x in (err.amax((1, 2, 3)) > 1e-5).nonzero()})
-    queries = sorted({int(x) for x in (err.amax((0, 1, 3)) > 1e-5).nonzero()})
-    return (f"the largest error, {float(err.max()):.2e}, is at batch row {b}, head {h}, query "
-            f"{i} (position past_len + {i} = {past + i}), channel {d}; wrong batch rows: {rows}, "
-            f"wrong queries: {queries}")
-
-
 def _explain_attention(attention, got, q, k, v, past, where, gen) -> None:
     """Right within 1e-5 of float64, or a failure: a mistake is named only when it explains the
     output on this input AND on a second one of the same shape; otherwise say where it differs."""
-    want = reference_attention(q, k, v, past)
+    want = float64_attention(q, k, v, past)
     if torch.isnan(got).any():
         raise fail(NAME_ATTENTION, f"{where}: the output has NaN: some query row has every key "
                                    "masked (each query must at least see its own key, j <= "
@@ -406,22 +377,10 @@ def _explain_attention(attention, got, q, k, v, past, where, gen) -> None:
         return
     q2, k2, v2 = _inputs(*q.shape[:3], past, q.shape[3], gen)
     got2 = _attention_output(attention, q2, k2, v2, past, where + ", other values").double()
-    if torch.equal(got2, got):
-        raise fail(NAME_ATTENTION, f"{where}: two calls with the same shapes and different values "
-                                   "returned the same output: your attention hands back a "
-                                   "remembered result. Compute it from q, k, v at every call")
-    probes = [(got, q, k, v, past), (got2, q2, k2, v2, past)]
-    row0 = (lambda p: p[1].shape[0] > 1 and torch.allclose(
-        p[0][0], reference_attention(*p[1:])[0], atol=1e-5))
-    hypotheses = [(row0, "batch row 0 is right but the other rows are not: it only works for "
-                         "batch size 1; keep the batch dimension in every operation")]
-    hypotheses += [(_explains(kwargs), message) for kwargs, message in _MISTAKES]
-    named = confirmed(hypotheses, probes)
-    if named is not None:
-        raise fail(NAME_ATTENTION, f"{where}: {named}")
-    raise fail(NAME_ATTENTION, f"{where}: your output differs from float64 attention (tolerance "
-                               f"1e-5): {_where_wrong(got, want, past)}. Expected softmax(q @ k^T "
-                               "/ sqrt(D) + causal mask) @ v")
+    name_the_mistake(NAME_ATTENTION, where, [(got, q, k, v), (got2, q2, k2, v2)], past, _MISTAKES,
+                     f"your output differs from float64 attention (tolerance 1e-5): "
+                     f"{where_wrong(got, want, past, 'past_len')}. Expected softmax(q @ k^T / sqrt(D) + causal "
+                     "mask) @ v")
 
 
 # Low precision is judged against float64 within a stated tolerance: TOL_UNITS units of the
@@ -439,7 +398,7 @@ def _check_low_precision(attention, gen) -> None:
         k, v = (torch.randn(2, 2, 4, 8, generator=gen).to(dt) for _ in range(2))
         where = f"{dt} inputs q [2, 2, 3, 8], k/v [2, 2, 4, 8], past_len=1"
         out = _attention_output(attention, q, k, v, 1, where)
-        err = (out.double() - reference_attention(q, k, v, 1)).abs().max().item()
+        err = (out.double() - float64_attention(q, k, v, 1)).abs().max().item()
         tol = TOL_UNITS * unit * v.double().abs().max().item()
         if not err <= tol:
             raise fail(NAME_ATTENTION, f"{where}: max abs error {err:.3g} against float64 "
@@ -462,8 +421,8 @@ def _check_meta(attention) -> None:
         raise
     except Exception as e:  # noqa: BLE001 - the learner's error, named
         raise fail(NAME_ATTENTION, f"{where}: your attention raised {type(e).__name__}: {e}. "
-                                   "On a GPU the same happens: make every tensor you build on "
-                                   "q's device (torch.arange(S, device=q.device), ...)") from e
+                                   "On a GPU the same happens: a tensor your code creates must be "
+                                   "created on q's device, not on the default one") from e
     if not isinstance(out, torch.Tensor) or out.device.type != "meta" or out.shape != q.shape:
         raise fail(NAME_ATTENTION, f"{where}: expected a [2, 2, 3, 8] output on meta, got "
                                    f"{getattr(out, 'shape', type(out).__name__)} on "

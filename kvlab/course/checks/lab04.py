@@ -233,35 +233,65 @@ def _explicit_head_dim_hint(cases, answers, wrong_answer, i) -> str:
 def _boundary_hint(got, want, free, per, unit="batch") -> str:
     if got == want + 1 and got == math.ceil(free / per):
         return (f": you rounded the {unit} UP. What only partly fits does not fit: round down "
-                "(free_bytes // bytes_per_unit)")
+                "to the whole units")
     if got == want - 1 and free % per == 0:
-        return ": what fills free_bytes exactly does fit (use <=, or floor division)"
-    return ": the answer is free_bytes // bytes per unit"
+        return ": what fills free_bytes exactly does fit (the boundary itself counts)"
+    return ": the answer is the number of whole units that fit in free_bytes"
+
+
+def _grade_capacity(fn, name, cases, unit, hint_of) -> None:
+    """The one loop of the two capacity graders: ``fn(config, n, dtype, free_bytes)`` on every case
+    ``(label, config, n, dtype, bytes per unit, free_bytes, answer, what)``; the first wrong answer
+    fails, with ``hint_of(cases, answers, i)``. ``unit``: (the argument's name, what one unit is)."""
+    answers = [_as_int(_call(fn, name, (cfg, n, dt, free)), name, f"{label}, {what}")
+               for label, cfg, n, dt, per, free, want, what in cases]
+    for i, (label, cfg, n, dt, per, free, want, what) in enumerate(cases):
+        if answers[i] != want:
+            raise fail(name, f"{label}, {unit[0]}={n}, {dt}: {unit[1]} takes {per:,} bytes; {what} "
+                             f"(free_bytes={free:,}), so the answer is {want}, you returned {answers[i]}"
+                             + hint_of(cases, answers, i))
+
+
+# (label, config, seq_len or batch_size, dtype) for each grader, built when it runs (configs are objects)
+def _batch_configs():
+    from transformers import GPT2Config
+
+    return [("GPT-2 small", GPT2Config(), 1024, torch.float16),
+            ("Llama-3.1-8B's shape", _llama(4096, 32, 32, 8), 8192, torch.bfloat16),
+            ("a small GQA model in fp32", _llama(48, 3, 6, 2), 100, torch.float32),
+            ("Gemma-2-9B's shape (head_dim 256 set explicitly; hidden_size / heads = 224)", _gemma_like(), 2048,
+             torch.bfloat16)]
+
+
+def _seq_configs():
+    from transformers import GPT2Config, MixtralConfig
+
+    mixtral = MixtralConfig(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
+                            num_key_value_heads=8, head_dim=None)
+    return [("GPT-2 small (context 1,024)", GPT2Config(), 4, torch.float16),
+            ("a Mixtral-style GQA config, head_dim None (context 32,768)", mixtral, 2, torch.bfloat16),
+            ("Gemma-2-9B's shape, head_dim 256 set explicitly (context 8,192)", _gemma_like(), 3, torch.bfloat16)]
+
+
+def _per_sequence(cfg, T, dt, hd=None):
+    return _per_unit(cfg, dt, T, 1, hd)
+
+
+def _per_token(cfg, B, dt, hd=None):
+    return _per_unit(cfg, dt, 1, B, hd)
 
 
 def check_max_batch_size(max_batch_size) -> None:
     """Grade ``max_batch_size(config, seq_len, dtype, free_bytes) -> int`` at the fit/no-fit
     boundaries, on configs with and without an explicit head_dim."""
-    from transformers import GPT2Config
+    configs = _batch_configs()
+    cases = _boundary_cases(configs, _per_sequence, "sequences' caches")
 
-    configs = [("GPT-2 small", GPT2Config(), 1024, torch.float16),
-               ("Llama-3.1-8B's shape", _llama(4096, 32, 32, 8), 8192, torch.bfloat16),
-               ("a small GQA model in fp32", _llama(48, 3, 6, 2), 100, torch.float32),
-               ("Gemma-2-9B's shape (head_dim 256 set explicitly; hidden_size / heads = 224)",
-                _gemma_like(), 2048, torch.bfloat16)]
-    per_of = lambda cfg, T, dt, hd=None: _per_unit(cfg, dt, T, 1, hd)  # noqa: E731
-    cases = _boundary_cases(configs, per_of, "sequences' caches")
-    answers = [_as_int(_call(max_batch_size, NAME_BATCH, (cfg, T, dt, free)), NAME_BATCH,
-                       f"{label}, {what}") for label, cfg, T, dt, per, free, want, what in cases]
-    for i, (label, cfg, T, dt, per, free, want, what) in enumerate(cases):
-        got = answers[i]
-        if got != want:
-            wrong = lambda c, hd: c[5] // per_of(c[1], c[2], c[3], hd)  # noqa: E731
-            hint = (_explicit_head_dim_hint(cases, answers, wrong, i)
-                    or _boundary_hint(got, want, free, per))
-            raise fail(NAME_BATCH, f"{label}, seq_len={T}, {dt}: one sequence's cache takes {per:,} "
-                                   f"bytes; {what} (free_bytes={free:,}), so the answer is {want}, "
-                                   f"you returned {got}" + hint)
+    def hint(cases, answers, i):
+        wrong = lambda c, hd: c[5] // _per_sequence(c[1], c[2], c[3], hd)  # noqa: E731
+        return (_explicit_head_dim_hint(cases, answers, wrong, i)
+                or _boundary_hint(answers[i], cases[i][6], cases[i][5], cases[i][4]))
+    _grade_capacity(max_batch_size, NAME_BATCH, cases, ("seq_len", "one sequence's cache"), hint)
     passed(NAME_BATCH, f"{len(cases)} boundary cases (exact fit, one byte short, zero fits) on "
                        f"{len(configs)} configs (one with an explicit head_dim)")
 
@@ -273,35 +303,19 @@ def check_max_seq_len(max_seq_len) -> None:
     """Grade ``max_seq_len(config, batch_size, dtype, free_bytes) -> int``: the longest context whose
     cache, for ``batch_size`` sequences, fits in ``free_bytes``, capped at the model's context
     (``max_position_embeddings``, which GPT-2 configs also answer to)."""
-    from transformers import GPT2Config, MixtralConfig
-
-    mixtral = MixtralConfig(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
-                            num_key_value_heads=8, head_dim=None)
-    configs = [("GPT-2 small (context 1,024)", GPT2Config(), 4, torch.float16),
-               ("a Mixtral-style GQA config, head_dim None (context 32,768)", mixtral, 2,
-                torch.bfloat16),
-               ("Gemma-2-9B's shape, head_dim 256 set explicitly (context 8,192)", _gemma_like(), 3,
-                torch.bfloat16)]
-    per_of = lambda cfg, B, dt, hd=None: _per_unit(cfg, dt, 1, B, hd)  # noqa: E731
+    configs = _seq_configs()
     cases = []
     for label, cfg, B, dt in configs:
-        per, ctx = per_of(cfg, B, dt), cfg.max_position_embeddings
+        per, ctx = _per_token(cfg, B, dt), cfg.max_position_embeddings
         cases += [(label, cfg, B, dt, per, *b) for b in _boundaries(per, "tokens")[:4]]
-        cases.append((label, cfg, B, dt, per, 10 * ctx * per, ctx,
-                      "free_bytes holds ten times the model's context"))
-    answers = [_as_int(_call(max_seq_len, NAME_SEQ, (cfg, B, dt, free)), NAME_SEQ,
-                       f"{label}, {what}") for label, cfg, B, dt, per, free, want, what in cases]
-    for i, (label, cfg, B, dt, per, free, want, what) in enumerate(cases):
-        got = answers[i]
-        if got == want:
-            continue
-        hint = (": the model cannot attend past its context; cap the answer at "
-                "config.max_position_embeddings" if "context" in what else
-                _explicit_head_dim_hint(cases, answers, lambda c, hd: min(
-                    c[5] // per_of(c[1], c[2], c[3], hd), c[1].max_position_embeddings), i)
-                or _boundary_hint(got, want, free, per, "length"))
-        raise fail(NAME_SEQ, f"{label}, batch_size={B}, {dt}: one token of every sequence takes "
-                             f"{per:,} bytes; {what} (free_bytes={free:,}), so the answer is {want}, "
-                             f"you returned {got}" + hint)
+        cases.append((label, cfg, B, dt, per, 10 * ctx * per, ctx, "free_bytes holds ten times the model's context"))
+
+    def hint(cases, answers, i):
+        if "context" in cases[i][7]:
+            return ": the model cannot attend past its context; cap the answer at config.max_position_embeddings"
+        wrong = lambda c, hd: min(c[5] // _per_token(c[1], c[2], c[3], hd), c[1].max_position_embeddings)  # noqa: E731
+        return (_explicit_head_dim_hint(cases, answers, wrong, i)
+                or _boundary_hint(answers[i], cases[i][6], cases[i][5], cases[i][4], "length"))
+    _grade_capacity(max_seq_len, NAME_SEQ, cases, ("batch_size", "one token of every sequence"), hint)
     passed(NAME_SEQ, f"{len(cases)} boundary cases (exact fit, one byte short, capped at the "
                      f"context) on {len(configs)} configs (one with an explicit head_dim)")

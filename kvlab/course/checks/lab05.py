@@ -88,15 +88,15 @@ def _close(a, b):
 _CODES = [
     (lambda c: c.q.dtype.is_floating_point,
      "q is {qdt}: you store the rounded codes as floats, which is article A's mistake (as many "
-     "bytes as the original, no memory saved). Store integer codes: torch.round(...).clamp(0, "
-     "2**bits - 1).to(torch.uint8)"),
+     "bytes as the original, no memory saved). The contract stores the rounded, clamped codes "
+     "as integers, one torch.uint8 each"),
     (lambda c: c.q.dtype != torch.uint8,
      "q is {qdt}; store codes as torch.uint8, one byte each (codes 0 .. 2**bits - 1 always fit)"),
     (lambda c: tuple(c.q.shape) != tuple(c.x.shape),
      "q must have the shape of x, {xs}; got {qs}"),
     (lambda c: c.scale.numel() == 1 or all(n == 1 for n in c.scale.shape),
      "you use one scale for the whole tensor (scale has {sn} element). Take min and max along dim "
-     "only: x.amin(dim=dim, keepdim=True) gives one scale per slice, shape {want}"),
+     "only, keeping that dimension: one scale per slice, shape {want}"),
     (lambda c: tuple(c.scale.shape) != c.want,
      "statistics along the wrong axis: scale should have shape {want} (min/max reduced along "
      "dim={dim}, keepdim=True), but yours has {ss}: {which}. dim is the axis to reduce over"),
@@ -150,8 +150,8 @@ def _check_round_trip(c: _Q, xhat, where) -> None:
     if worst <= 1.0 + 1e-3 and ((xhat.double() - xd) / step).mean().item() < -0.25:
         raise fail(NAME, f"{where}: reconstruction is off by up to {worst:.2f} of a step and lies "
                          "below x on average: you truncate (floor, int(), or .to(torch.uint8) "
-                         "alone) instead of rounding to the nearest code. Use torch.round((x - "
-                         "min) / scale) first")
+                         "alone) instead of rounding to the nearest code, as the contract "
+                         "asks")
     raise fail(NAME, f"{where}: dequantize(quantize(x)) is off by up to {worst:.2f} steps; at most "
                      "half a step is allowed. x_hat = q * scale + zero_point (zero_point = min), "
                      "with q = round((x - min) / scale)")
@@ -185,16 +185,14 @@ def _check_constant(quantize, dequantize, bits: int) -> None:
         xhat = dequantize(q, scale, zp)
         if not all(torch.isfinite(t).all() for t in (scale, zp, xhat)):
             raise fail(NAME, f"{where}: NaN or inf on a constant slice. There max - min = 0, so "
-                             "scale = 0 and (x - min) / scale = 0/0. Replace a zero scale by any "
-                             "positive number, e.g. torch.where(scale > 0, scale, "
-                             "torch.ones_like(scale)): every code is then 0 and zero_point = min "
+                             "scale = 0 and (x - min) / scale = 0/0. The contract replaces a zero "
+                             "scale by a positive number: every code is then 0 and zero_point = min "
                              "gives the constant back exactly")
         if (scale <= 0).any():
             raise fail(NAME, f"{where}: scale is 0 on a constant slice, so (x - min) / scale is "
                              "0/0 = NaN before the cast to uint8 (which hides it: casting NaN "
-                             "gives an arbitrary code, 0 here, something else elsewhere). Replace "
-                             "a zero scale by any positive number, e.g. torch.where(scale > 0, "
-                             "scale, torch.ones_like(scale))")
+                             "gives an arbitrary code, 0 here, something else elsewhere). The "
+                             "contract replaces a zero scale by a positive number")
         c = xin[idx]
         if not torch.allclose(xhat[idx].double(), c.double(), rtol=1e-6, atol=1e-6):
             raise fail(NAME, f"{where}: a constant slice must come back exactly (it has no range "
@@ -228,8 +226,8 @@ def _on_meta(fn, *args):
         text = str(e)
         if "expected device" in text or "same device" in text:
             raise fail(NAME, f"on device='meta' inputs (shapes only) your code mixes devices: "
-                             f"{text.splitlines()[0]}. On a GPU the same happens: make every "
-                             "tensor you build on x's device (device=x.device)") from e
+                             f"{text.splitlines()[0]}. On a GPU the same happens: a tensor your "
+                             "code creates must be created on x's device") from e
         if "meta" in text or isinstance(e, NotImplementedError):
             return None
         raise fail(NAME, f"on device='meta' inputs your code raised {type(e).__name__}: "
@@ -250,7 +248,7 @@ def _check_meta(quantize, dequantize) -> str:
         bad.append(f"dequantize's result on {xhat.device}")
     if bad:
         raise fail(NAME, f"x on device='meta': {', '.join(bad)}. Every tensor you return must be "
-                         "on x's device (build them from x, or with device=x.device)")
+                         "on x's device, not on the default one")
     return "meta inputs give meta outputs"
 
 

@@ -76,8 +76,7 @@ _ROW_RULES = [
      "row {i}: attention_mask should be {k} zeros then {L} ones, got {mask}"),
     (lambda r: r.k and r.pos[r.k:].tolist() == list(range(r.k, r.T)),
      "row {i} ({k} pads): its first real token has position id {k}, the column number. Positions "
-     "count real tokens only, 0 for the first one: attention_mask.cumsum(-1) - 1 (pads clamped to "
-     "0)"),
+     "count real tokens only, 0 for the first one: a pad before a token does not move its position"),
     (lambda r: r.pos[r.k:].tolist() != list(range(r.L)),
      "row {i}: the position ids of its {L} real tokens should be 0..{L1}, got {gpos}..."),
     (lambda r: r.k and (int(r.pos[:r.k].min()) < 0 or int(r.pos[:r.k].max()) >= r.ctx),
@@ -223,8 +222,8 @@ _PREFILL = [
     (lambda f, m, lens, T: f.pos is None and len(set(lens)) > 1,
      lambda f, m, lens, T: "the prefill got NO position_ids: transformers then numbers the "
                            "columns 0..T-1 in every row, so a row with k left pads starts at "
-                           "position k. Pass position_ids = attention_mask.cumsum(-1) - 1 (pads "
-                           "clamped to 0)"),
+                           "position k. Pass position_ids that count each row's real tokens only, "
+                           "from 0"),
     (lambda f, m, lens, T: f.mask is not None and not torch.equal(f.mask.long().expand_as(m), m),
      lambda f, m, lens, T: "the prefill's attention_mask should be 0 on the pads and 1 on real "
                            f"tokens; row 0 is {f.mask[0].tolist()}"),
@@ -232,7 +231,7 @@ _PREFILL = [
         f.pos.expand_as(m)[i, m.shape[1] - L:].tolist() != list(range(L))
         for i, L in enumerate(lens)),
      lambda f, m, lens, T: "the prefill's position ids of each row's real tokens must be 0..len-1 "
-                           "(attention_mask.cumsum(-1) - 1)"),
+                           "(the pads before them do not count)"),
 ]
 
 # A decode step's rules; ``c`` the call, ``s`` the step, ``W`` the prefill width, ``want_m`` its mask.

@@ -280,17 +280,17 @@ _MISTAKES = [
      "(p.element_size(), or the model's dtype.itemsize for the cache)"),
     ("query heads for key/value heads", lambda c: _read(c) + c["C"] * c["q_per_kv"],
      "you sized the cache with the number of QUERY heads: with grouped-query attention the cache holds "
-     "num_key_value_heads heads (getattr(config, 'num_key_value_heads', num_attention_heads))"),
+     "num_key_value_heads heads (a config without it has as many as query heads)"),
     ("head_dim from the width", lambda c: _read(c) + round(c["C"] * c["dim_ratio"]),
-     "you took head_dim as hidden_size // num_attention_heads; a config may set head_dim explicitly "
-     "(getattr(config, 'head_dim', None) or hidden_size // num_attention_heads)"),
+     "you took head_dim as the width over the heads; a config may set head_dim explicitly, and then "
+     "that is the size of a head"),
 ]
 
 
 def _as_int(value, label):
     if isinstance(value, (bool, float, torch.Tensor)):
         raise fail(NAME_BYTES, f"{label}: return a Python int, got {type(value).__name__} {value!r} "
-                               "(bytes are whole numbers: .numel() * .element_size(), integer arithmetic)")
+                               "(bytes are whole numbers: count them in integer arithmetic)")
     try:
         return int(value.__index__())
     except (AttributeError, TypeError):
@@ -364,36 +364,43 @@ check_decode_step_bytes.__doc__ = ("Grade ``decode_step_bytes(model, batch_size,
 # The floor
 
 
-def _floor_cases():
-    """(label, model, batch, seq, bandwidth, flops): three bound by memory, three by compute."""
-    tiny, hd = grading_model()[0], _models()[4][1]
-    meta = roofline.meta_model("Llama-3.1-8B", torch.bfloat16)
-    raw = [
-        ("kvlab-tiny, a CPU-like machine", tiny, 2, 30, 20e9, 100e9),
-        ("the head_dim=16 Llama, long context on a CPU-like machine", hd, 3, 500, 20e9, 100e9),
-        ("Llama-3.1-8B (meta), one row on an H100-like machine", meta, 1, 4000, 3.35e12, 700e12),
-        ("kvlab-tiny, batch 64 on a machine with little compute", tiny, 64, 5, 500e9, 20e9),
-        ("the head_dim=16 Llama, batch 40 on a machine with little compute", hd, 40, 3, 400e9, 10e9),
-        ("Llama-3.1-8B (meta), batch 512 on an H100-like machine", meta, 512, 100, 3.35e12, 700e12),
-        # pairs that differ in exactly one argument (a memo keyed on the others is named)
-        # (rates changed by factors no named mistake makes: 1.35x, 0.65x)
-        ("kvlab-tiny, a CPU-like machine with more bandwidth", tiny, 2, 30, 27e9, 100e9),
-        ("kvlab-tiny, batch 64 on a machine with even less compute", tiny, 64, 5, 500e9, 13e9),
-        ("kvlab-tiny, a CPU-like machine, 31 positions", tiny, 2, 31, 20e9, 100e9),
-        ("kvlab-tiny, a CPU-like machine, batch 3", tiny, 3, 30, 20e9, 100e9),
-    ]
-    out = []
-    for label, model, B, S, bw, fl in raw:
-        m, f = roofline.decode_step_bytes(model, B, S) / bw, roofline.decode_step_flops(model, B, S) / fl
-        out.append(dict(label=label, model=model, B=B, S=S, bw=bw, fl=fl, m=m, f=f, want=max(m, f),
-                        c=roofline.cache_read_bytes(model, B, S) / bw, mem=m >= f))
-    return out
+# Every case of the floor and of the bound/critical-batch graders: (label, model: its index in
+# _models(), batch_size, seq_len, bandwidth in B/s, flops in FLOP/s). One table per grader, one loop.
+_TINY, _HEAD_DIM_16, _GPT2_MEDIUM, _LLAMA_8B = 0, 4, 6, 7
+
+_FLOOR_CASES = [   # three bound by memory, three by compute
+    ("kvlab-tiny, a CPU-like machine", _TINY, 2, 30, 20e9, 100e9),
+    ("the head_dim=16 Llama, long context on a CPU-like machine", _HEAD_DIM_16, 3, 500, 20e9, 100e9),
+    ("Llama-3.1-8B (meta), one row on an H100-like machine", _LLAMA_8B, 1, 4000, 3.35e12, 700e12),
+    ("kvlab-tiny, batch 64 on a machine with little compute", _TINY, 64, 5, 500e9, 20e9),
+    ("the head_dim=16 Llama, batch 40 on a machine with little compute", _HEAD_DIM_16, 40, 3, 400e9, 10e9),
+    ("Llama-3.1-8B (meta), batch 512 on an H100-like machine", _LLAMA_8B, 512, 100, 3.35e12, 700e12),
+    # pairs that differ in exactly one argument (a memo keyed on the others is named)
+    # (rates changed by factors no named mistake makes: 1.35x, 0.65x)
+    ("kvlab-tiny, a CPU-like machine with more bandwidth", _TINY, 2, 30, 27e9, 100e9),
+    ("kvlab-tiny, batch 64 on a machine with even less compute", _TINY, 64, 5, 500e9, 13e9),
+    ("kvlab-tiny, a CPU-like machine, 31 positions", _TINY, 2, 31, 20e9, 100e9),
+    ("kvlab-tiny, a CPU-like machine, batch 3", _TINY, 3, 30, 20e9, 100e9),
+]
+
+
+def _machine_cases(table, parts):
+    """The rows of ``table`` as dicts, each with what ``parts(model, B, S, bw, fl)`` adds: the right
+    answer and the pieces its mistakes are made of, from kvlab.roofline."""
+    models = _models()
+    return [dict(label=label, model=models[i][1], B=B, S=S, bw=bw, fl=fl, **parts(models[i][1], B, S, bw, fl))
+            for label, i, B, S, bw, fl in table]
+
+
+def _floor_parts(model, B, S, bw, fl):
+    m, f = roofline.decode_step_bytes(model, B, S) / bw, roofline.decode_step_flops(model, B, S) / fl
+    return dict(m=m, f=f, want=max(m, f), c=roofline.cache_read_bytes(model, B, S) / bw, mem=m >= f)
 
 
 _FLOOR_MISTAKES = [
     ("min", lambda c: min(c["m"], c["f"]),
      "you took the SMALLER of the two times: the step must do both, so it takes at least the larger "
-     "(max(bytes / bandwidth, flops_needed / flops))"),
+     "of the memory time and the compute time"),
     ("sum", lambda c: c["m"] + c["f"],
      "you added the memory and compute times: a machine overlaps them, so the floor is the larger one"),
     ("memory only", lambda c: c["m"],
@@ -430,7 +437,7 @@ def _which_term(cases, got) -> str | None:
     comp_ok = all(o for o, c in zip(ok, cases) if not c["mem"])
     if mem_ok and not comp_ok:
         return ("your answers are right wherever the bytes bound the step and wrong wherever the FLOPs do: "
-                "check the compute term, decode_step_flops(model, batch_size, seq_len) / flops, and the max")
+                "check the compute term (the step's FLOPs at the machine's FLOP/s) and which of the two times you keep")
     if comp_ok and not mem_ok:
         return ("your answers are right wherever the FLOPs bound the step and wrong wherever the bytes do: "
                 "check the memory term (is it your decode_step_bytes, graded above, over bandwidth?)")
@@ -442,7 +449,7 @@ def _which_term(cases, got) -> str | None:
 
 
 def _grade_floor(step_time_floor) -> None:
-    cases = _floor_cases()
+    cases = _machine_cases(_FLOOR_CASES, _floor_parts)
     with _on_references(step_time_floor, ("decode_step_bytes",)) as replaced:
         raw = _run_all(NAME_FLOOR, step_time_floor, cases, lambda c: (c["model"], c["B"], c["S"], c["bw"], c["fl"]))
     got = [_as_seconds(v, c["label"]) for c, v in zip(cases, raw)]
@@ -473,40 +480,33 @@ check_step_time_floor.__doc__ = "Grade ``step_time_floor(model, batch_size, seq_
 BOUNDS = ("weights", "cache", "compute")
 
 
-def _crit_cases():
-    """(label, model, batch, seq, bandwidth, flops): every bound, a critical batch of 1, contexts at
-    which no batch is compute-bound, and the same model at several contexts."""
-    tiny, hd = grading_model()[0], _models()[4][1]
-    gpt2m, llama = _models()[6][1], _models()[7][1]
-    raw = [
-        ("kvlab-tiny, short context, a CPU-like machine", tiny, 1, 8, 20e9, 200e9),
-        ("kvlab-tiny, 300 positions, batch 16, a CPU-like machine", tiny, 16, 300, 20e9, 200e9),
-        ("kvlab-tiny, 50 positions, batch 24, a CPU-like machine", tiny, 24, 50, 20e9, 200e9),
-        ("kvlab-tiny, 200 positions, batch 32, a CPU-like machine", tiny, 32, 200, 20e9, 200e9),
-        ("the head_dim=16 Llama, a machine with little compute", hd, 2, 10, 400e9, 4e9),
-        ("gpt2-medium (meta, fp16), zero context, an H100-like machine", gpt2m, 8, 0, 3.35e12, 990e12),
-        ("gpt2-medium (meta, fp16), 900 positions, an H100-like machine", gpt2m, 8, 900, 3.35e12, 990e12),
-        ("Llama-3.1-8B (meta, bf16), 512 positions, an H100-like machine", llama, 64, 512, 3.35e12, 990e12),
-        ("Llama-3.1-8B (meta, bf16), 32k positions, a fp32-rate machine", llama, 4, 32768, 3.35e12, 60e12),
-        ("Llama-3.1-8B (meta, bf16), 1,000 positions, a fp32-rate machine", llama, 200, 1000, 3.35e12, 60e12),
-        # pairs that differ in exactly one argument: the machine's rates, then the context
-        ("kvlab-tiny, short context, more bandwidth", tiny, 1, 8, 31e9, 200e9),
-        ("kvlab-tiny, short context, 8.5 times the compute", tiny, 1, 8, 20e9, 1700e9),
-        ("kvlab-tiny, 9 positions", tiny, 1, 9, 20e9, 200e9),
-        # critical batches in the thousands, as real ones reach (a loop capped below them is named)
-        ("Llama-3.1-8B (meta, bf16), 16 positions, a machine with 5,000 TFLOP/s per TB/s", llama, 1, 16, 1e12,
-         5000e12),
-        ("gpt2-medium (meta, fp16), zero context, a machine with 5,000 TFLOP/s per TB/s", gpt2m, 1, 0, 1e12,
-         5000e12),
-    ]
-    out = []
-    for label, model, B, S, bw, fl in raw:
-        t = roofline.step_terms(model, B, S, bw, fl)
-        out.append(dict(label=label, model=model, B=B, S=S, bw=bw, fl=fl, bound=t["bound"], terms=t,
-                        crit=roofline.critical_batch(model, S, bw, fl),
-                        crit0=roofline.critical_batch(model, 0, bw, fl),
-                        shared=_all_shared(model, S, bw, fl)))
-    return out
+_CRIT_CASES = [   # every bound, a critical batch of 1, contexts at which no batch is compute-bound
+    ("kvlab-tiny, short context, a CPU-like machine", _TINY, 1, 8, 20e9, 200e9),
+    ("kvlab-tiny, 300 positions, batch 16, a CPU-like machine", _TINY, 16, 300, 20e9, 200e9),
+    ("kvlab-tiny, 50 positions, batch 24, a CPU-like machine", _TINY, 24, 50, 20e9, 200e9),
+    ("kvlab-tiny, 200 positions, batch 32, a CPU-like machine", _TINY, 32, 200, 20e9, 200e9),
+    ("the head_dim=16 Llama, a machine with little compute", _HEAD_DIM_16, 2, 10, 400e9, 4e9),
+    ("gpt2-medium (meta, fp16), zero context, an H100-like machine", _GPT2_MEDIUM, 8, 0, 3.35e12, 990e12),
+    ("gpt2-medium (meta, fp16), 900 positions, an H100-like machine", _GPT2_MEDIUM, 8, 900, 3.35e12, 990e12),
+    ("Llama-3.1-8B (meta, bf16), 512 positions, an H100-like machine", _LLAMA_8B, 64, 512, 3.35e12, 990e12),
+    ("Llama-3.1-8B (meta, bf16), 32k positions, a fp32-rate machine", _LLAMA_8B, 4, 32768, 3.35e12, 60e12),
+    ("Llama-3.1-8B (meta, bf16), 1,000 positions, a fp32-rate machine", _LLAMA_8B, 200, 1000, 3.35e12, 60e12),
+    # pairs that differ in exactly one argument: the machine's rates, then the context
+    ("kvlab-tiny, short context, more bandwidth", _TINY, 1, 8, 31e9, 200e9),
+    ("kvlab-tiny, short context, 8.5 times the compute", _TINY, 1, 8, 20e9, 1700e9),
+    ("kvlab-tiny, 9 positions", _TINY, 1, 9, 20e9, 200e9),
+    # critical batches in the thousands, as real ones reach (a loop capped below them is named)
+    ("Llama-3.1-8B (meta, bf16), 16 positions, a machine with 5,000 TFLOP/s per TB/s", _LLAMA_8B, 1, 16, 1e12,
+     5000e12),
+    ("gpt2-medium (meta, fp16), zero context, a machine with 5,000 TFLOP/s per TB/s", _GPT2_MEDIUM, 1, 0, 1e12,
+     5000e12),
+]
+
+
+def _crit_parts(model, B, S, bw, fl):
+    t = roofline.step_terms(model, B, S, bw, fl)
+    return dict(bound=t["bound"], terms=t, crit=roofline.critical_batch(model, S, bw, fl),
+                crit0=roofline.critical_batch(model, 0, bw, fl), shared=_all_shared(model, S, bw, fl))
 
 
 def _all_shared(model, S, bw, fl):
@@ -580,7 +580,7 @@ def _times_at(c, batch) -> str:
 
 
 def _grade_crit(bound_and_critical) -> None:
-    cases = _crit_cases()
+    cases = _machine_cases(_CRIT_CASES, _crit_parts)
     with _on_references(bound_and_critical, ("decode_step_bytes", "step_time_floor")) as replaced:
         raw = _run_all(NAME_CRIT, bound_and_critical, cases,
                        lambda c: (c["model"], c["B"], c["S"], c["bw"], c["fl"]))

@@ -25,16 +25,16 @@ import contextlib
 import copy
 import functools
 import logging
-import math
 from types import SimpleNamespace
 
 import torch
 
 from kvlab.reference import hf_greedy
 from kvlab.reference import first_difference
-from ._common import (ValueReads, call_unmodified, confirmed, fail, fresh_prompts, grading_model,
+from ._common import (ValueReads, call_unmodified, fail, fresh_prompts, grading_model,
                       held_tensors, learner_call, misplaced, passed)
 from kvlab.gpt2 import GPT2
+from ._attention import float64_attention, name_the_mistake, where_wrong
 from kvlab.static import StaticKVCache, StaticDecoder
 
 NAME_CACHE = "check_static_cache"
@@ -43,18 +43,17 @@ NAME_COMPILE = "check_no_recompile"
 NAME_LOOP = "check_static_generate"
 NAME_NAN = "check_hidden_nan"
 
-_READS_POS = ("reads the position back into Python (seen: {how}; int(pos), pos.item(), pos.tolist(), slicing "
-              "buffer[..., pos:pos + T] all do). Eagerly that works; under torch.compile it is a graph break, "
+_READS_POS = ("reads the position back into Python (seen: {how}; int(pos), pos.item(), pos.tolist(), slicing a "
+              "buffer at pos all do). Eagerly that works; under torch.compile it is a graph break, "
               "or the number becomes a constant of the graph, so every new position compiles a new one. Keep "
-              "pos a tensor: slots = pos + torch.arange(T), then index_copy_(2, slots, k) or "
-              "buffer[:, :, slots] = k")
+              "pos a tensor, and compute the slots from it as tensors too")
 
 
 def _reads(how: str, attention: bool = False) -> str:
     text = _READS_POS.format(how=how)
     if attention:
-        return text.split(". Keep")[0] + (". Build the mask from tensors: torch.arange(max_len) > pos + "
-                                          "torch.arange(T)[:, None]")
+        return text.split(". Keep")[0] + (". Build the mask from tensors: compare the slot numbers with "
+                                          "the queries' positions, pos kept a tensor")
     return text
 
 
@@ -141,8 +140,8 @@ _CACHE_MISTAKES = [
      "the slots dimension 2)"),
     ("row 0 only", lambda o: o.B > 1 and torch.equal(o.keys[0], o.want_k[0])
      and not any(torch.equal(o.keys[b], o.want_k[b]) for b in range(1, o.B)),
-     "only batch row 0 is written correctly; the other rows are not: index every row "
-     "(buffer[:, :, slots])"),
+     "only batch row 0 is written correctly; the other rows are not: every batch row writes its "
+     "new keys and values at the same slots"),
     ("ignores pos", lambda o: o.rewind and o.pos not in _at0(o),
      "update was called with pos={pos} (a rewind: slots are rewritten, as after a rejected speculative "
      "token) and did not write there: the position is the pos argument; do not keep a counter of "
@@ -245,8 +244,8 @@ def _check_small_cases(StaticKVCache) -> None:
     except Exception as e:  # noqa: BLE001 - the learner's error, named
         raise fail(NAME_CACHE, f"update on a cache made with device='meta' (shapes only) raised "
                                f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}. On a GPU "
-                               "the same happens: make every tensor on the cache's device "
-                               "(torch.arange(T, device=k.device))") from e
+                               "the same happens: create every tensor on the cache's device, not on the "
+                               "default one") from e
     bad = misplaced(list(held_tensors(meta)) + [("the returned keys", got[0])], "meta", torch.float16)
     if bad:
         raise fail(NAME_CACHE, f"a cache made with device='meta', dtype=float16: {', '.join(bad[:4])}. "
@@ -294,26 +293,6 @@ def check_static_cache(StaticKVCache) -> None:
 
 # ---------------------------------------------------------------------------------------------------
 # static_attention
-
-
-def reference_static_attention(q, k, v, pos, mask="causal", scale="sqrt"):
-    """float64 attention over every slot, and the usual mistakes (for diagnosis)."""
-    q, k, v = q.double(), k.double(), v.double()
-    T, S, D = q.shape[2], k.shape[2], q.shape[3]
-    qpos = int(pos) + torch.arange(T)[:, None]
-    kpos = torch.arange(S)[None, :]
-    allowed = {
-        "causal": kpos <= qpos,
-        "none": torch.ones(T, S, dtype=torch.bool),
-        "written": kpos < int(pos) + T,                       # hides unwritten slots, not the chunk's future
-        "chunk_only": (kpos <= qpos) | (kpos >= int(pos) + T),  # causal among the new, unwritten let through
-        "topleft": kpos <= torch.arange(T)[:, None],          # ignores pos
-        "strict": kpos < qpos,
-    }[mask]
-    s = {"sqrt": 1 / math.sqrt(D), "D": 1 / D, "none": 1.0}[scale]
-    scores = torch.einsum("bhtd,bhsd->bhts", q, k) * s
-    weights = torch.softmax(scores.masked_fill(~allowed, float("-inf")), -1)
-    return torch.einsum("bhts,bhsd->bhtd", weights, v)
 
 
 _ATTENTION_MISTAKES = [
@@ -376,14 +355,6 @@ def _attention_output(static_attention, q, k, v, pos, where):
     return out.double()
 
 
-def _where_wrong(got, want, pos) -> str:
-    err = (got - want).abs()
-    b, h, i, d = (int(x) for x in torch.unravel_index(err.argmax(), err.shape))
-    queries = sorted({int(x) for x in (err.amax((0, 1, 3)) > 1e-5).nonzero()})
-    return (f"the largest error, {float(err.max()):.2e}, is at batch row {b}, head {h}, query {i} (position "
-            f"pos + {i} = {pos + i}), channel {d}; wrong queries: {queries}")
-
-
 def _grade_attention_case(static_attention, case, gen, twice=False):
     """One case (``twice``: then again with other values, so a remembered answer shows). A mistake is
     named only when it explains this input AND a second one of the same case."""
@@ -391,31 +362,16 @@ def _grade_attention_case(static_attention, case, gen, twice=False):
     where = f"q [{B}, {H}, {T}, {D}], k/v [{B}, {H}, max_len={S}, {D}], pos={pos}"
     q, k, v = _attention_inputs(B, H, T, pos, S, D, fill, gen)
     got = _attention_output(static_attention, q, k, v, pos, where)
-    want = reference_static_attention(q, k, v, pos)
+    want = float64_attention(q, k, v, pos)
     if (got - want).abs().max().item() <= 1e-5:
         if twice:
             _grade_attention_case(static_attention, case, gen)
         return
     q2, k2, v2 = _attention_inputs(B, H, T, pos, S, D, fill, gen)
     got2 = _attention_output(static_attention, q2, k2, v2, pos, where + ", other values")
-    if torch.equal(got, got2):
-        raise fail(NAME_ATTENTION, f"{where}: two calls with the same shapes and different values returned "
-                                   "the same output: your attention hands back a remembered result. Compute "
-                                   "it from q, k, v at every call")
-    probes = [(got, q, k, v), (got2, q2, k2, v2)]
-    row0 = (lambda p: B > 1 and torch.allclose(p[0][0], reference_static_attention(*p[1:], pos)[0],
-                                               atol=1e-5))
-    hypotheses = [(row0, "batch row 0 is right, the others are not: keep the batch dimension in every "
-                         "operation")]
-    hypotheses += [((lambda p, kw=kw: torch.allclose(p[0], reference_static_attention(*p[1:], pos, **kw),
-                                                     atol=1e-5)), message)
-                   for kw, message in _ATTENTION_MISTAKES]
-    named = confirmed(hypotheses, probes)
-    if named is not None:
-        raise fail(NAME_ATTENTION, f"{where}: {named}")
-    raise fail(NAME_ATTENTION, f"{where}: your output differs from float64 attention (tolerance 1e-5): "
-                               f"{_where_wrong(got, want, pos)}. Expected softmax(q @ k^T / sqrt(D), slots "
-                               "j > pos + i hidden) @ v")
+    name_the_mistake(NAME_ATTENTION, where, [(got, q, k, v), (got2, q2, k2, v2)], pos, _ATTENTION_MISTAKES,
+                     f"your output differs from float64 attention (tolerance 1e-5): {where_wrong(got, want, pos, 'pos')}. "
+                     "Expected softmax(q @ k^T / sqrt(D), slots j > pos + i hidden) @ v")
 
 
 def _attention_on_meta(static_attention) -> None:
@@ -429,7 +385,7 @@ def _attention_on_meta(static_attention) -> None:
     except Exception as e:  # noqa: BLE001 - the learner's error, named
         raise fail(NAME_ATTENTION, f"{where}: your attention raised {type(e).__name__}: "
                                    f"{str(e).splitlines()[0] if str(e) else ''}. On a GPU the same happens: "
-                                   "make every tensor on q's device (torch.arange(S, device=q.device))") from e
+                                   "create every tensor on q's device, not on the default one") from e
     if not isinstance(out, torch.Tensor) or out.device.type != "meta" or list(out.shape) != [2, 2, 1, 8]:
         raise fail(NAME_ATTENTION, f"{where}: expected a [2, 2, 1, 8] output on meta, got "
                                    f"{getattr(out, 'shape', type(out).__name__)} on {getattr(out, 'device', '?')}")
@@ -620,13 +576,12 @@ class _Step:
             raise fail(NAME_LOOP, f"{where}: step call #{k} got pos={pos!r}, a Python {type(pos).__name__}. "
                                   "torch.compile makes a Python number a constant of the graph, so every "
                                   "new position would compile a new one: keep pos a 0-d torch.long tensor, "
-                                  "pos = torch.tensor(T), and advance it as a tensor (pos + 1)")
+                                  "and advance it as a tensor")
         if self.layout is not None and ids.stride() != self.layout:
             raise fail(NAME_LOOP, f"{where}: step call #{k} got ids with strides {ids.stride()}, an earlier "
                                   f"call {self.layout} (a view into your output tensor, whose width changes "
                                   "with the prompt?). torch.compile specialises on strides as on shapes, so a "
-                                  "new layout is a new graph: hand the step the same layout every time, e.g. "
-                                  "next_ids[:, None], or a [B, 1] buffer you copy_ into")
+                                  "new layout is a new graph: hand the step ids of the same layout every time")
         self.layout = ids.stride()
         if pos.dim() != 0 or pos.dtype != torch.long:
             raise fail(NAME_LOOP, f"{where}: step call #{k} got pos of shape {list(pos.shape)} and dtype "
@@ -766,7 +721,7 @@ def _nan_truth(static_attention) -> dict:
         k, v = torch.randn(B, H, 8, D, generator=gen), torch.randn(B, H, 8, D, generator=gen)
         clean = learner_call(NAME_NAN, "static_attention on clean keys and values", static_attention, q, k, v,
                              torch.tensor(3))
-        if not torch.allclose(clean.double(), reference_static_attention(q, k, v, 3), atol=1e-5):
+        if not torch.allclose(clean.double(), float64_attention(q, k, v, 3), atol=1e-5):
             raise fail(NAME_NAN, "your static_attention is wrong on clean inputs (no NaN anywhere), so what it "
                                  "does with a NaN says nothing: pass check_static_attention first")
         for what in ("keys", "values"):

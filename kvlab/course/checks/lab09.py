@@ -115,8 +115,8 @@ class _Shadow:
         returned[0] = -7
         if self.table(s) != before:
             raise self.fail(f"{what} returned the allocator's own list: the caller set its first entry to -7 and "
-                            f"appended -7, and block_table({s!r}) changed from {before} to {self.table(s)}; return a "
-                            "copy (list(table))")
+                            f"appended -7, and block_table({s!r}) changed from {before} to {self.table(s)}: a caller "
+                            "must get a table it may change without changing the allocator's own record")
 
     def users(self, block, but=None) -> list:
         return [s for s, t in self.tables.items() if block in t and s != but]
@@ -160,7 +160,7 @@ def _alloc(sh: _Shadow, s, n: int) -> None:
         why = ("one block too many: the tokens fill the blocks exactly (off-by-one at a block boundary)"
                if len(got) == need + 1 else "too few: round up, the last block may be partly filled"
                if len(got) == n // sh.bs else "wrong count")
-        raise sh.fail(f"{op} returned {len(got)} blocks; {n} tokens need ceil({n}/{sh.bs}) = {need}: {why}")
+        raise sh.fail(f"{op} returned {len(got)} blocks; {n} tokens in blocks of {sh.bs} need {need}: {why}")
     if not all(_is_block_id(b) for b in got):
         raise sh.fail(f"{op} must return integer block ids, got {got!r}")
     got = [int(b) for b in got]
@@ -194,10 +194,10 @@ def _append(sh: _Shadow, s) -> None:
                       f"{n % bs} of {bs}): off-by-one at a block boundary, the last slot of a block is usable")
     if not boundary and shared and block == old[-1]:
         raise sh.fail(f"{op}: append into a shared block without a copy: block {old[-1]} is also held by "
-                      f"{sh.users(old[-1], but=s)}, so writing into it changes their cache too; take a fresh "
-                      f"block and return copy_from={old[-1]}")
+                      f"{sh.users(old[-1], but=s)}, so writing into it changes their cache too (copy-on-write: a "
+                      "write to a shared block goes to a private copy, and the caller is told which block to copy)")
     if offset != n % bs:
-        raise sh.fail(f"{op}: offset {offset}, expected {n} % {bs} = {n % bs}")
+        raise sh.fail(f"{op}: offset {offset}, expected {n % bs} (token {n}'s slot within its block of {bs})")
     if block != new[-1]:
         raise sh.fail(f"{op}: returned block {block} but the table now ends with {new[-1]}")
     fresh = boundary or shared
@@ -298,14 +298,14 @@ def _reference_gather(pool, table, n):
 # Wrong gathers, to name the mistake when the output is wrong: (what it did, how to fix it)
 _GATHER_MISTAKES = [
     (lambda p, t, n: _reference_gather(p, sorted(t), n),
-     "the blocks were read in allocation order (sorted ids), not in the order of the block table: token p "
-     "lives in block_table[p // block_size]"),
+     "the blocks were read in allocation order (sorted ids), not in the order of the block table: entry "
+     "i of the table is the sequence's i-th block, whatever its id"),
     (lambda p, t, n: _reference_gather(p, list(range(len(t))), n),
-     "you read the first blocks of the pool, not the sequence's: index the pool with block_table"),
+     "you read the first blocks of the pool, not the sequence's: the block table says which blocks are its"),
     (lambda p, t, n: _reference_gather(p, list(t)[::-1], n), "the blocks were read in reverse table order"),
     (lambda p, t, n: p[list(t)].reshape(p.shape[1], -1, p.shape[3])[:, :n],
-     "heads and blocks are mixed up: pool[table] is [blocks, heads, block_size, head_dim]; move the heads "
-     "first (permute/transpose) before merging blocks and slots into one sequence axis"),
+     "heads and blocks are mixed up: the sequence's blocks are [blocks, heads, block_size, head_dim], and "
+     "merging blocks and slots into one sequence axis must keep each head's positions apart"),
 ]
 
 # (num_blocks, heads, block_size, head_dim, block table, seq_len, dtype)
@@ -337,8 +337,8 @@ def _tuple_as_index(paged_gather, pool, table, n, where, what) -> None:
     if right:
         raise fail(NAME_GATHER, f"{where}: with the table as a tuple your paged_gather {what}; with the same "
                                 f"table as a list it is right. pool[{table!r}] indexes one dimension per "
-                                f"element (pool[4, 2, 0]), not a list of blocks: index with list(block_table) "
-                                "or a LongTensor")
+                                f"element (pool[4, 2, 0]), not a list of blocks: a tuple of block ids does not "
+                                "pick blocks the way a list or a tensor of them does")
 
 
 def check_paged_gather(paged_gather) -> None:
@@ -399,8 +399,9 @@ def _check_gathered(out, pool, table, n, where, paged_gather) -> None:
     for wrong, why in _GATHER_MISTAKES:
         if torch.equal(out, wrong(pool, table, n)) and _confirmed(wrong, paged_gather):
             raise fail(NAME_GATHER, f"{where}: {why}")
-    raise fail(NAME_GATHER, f"{where}: wrong values; position p must be pool[block_table[p // block_size], :, "
-                            "p % block_size]")
+    raise fail(NAME_GATHER, f"{where}: wrong values, and no single known mistake explains them: position p "
+                            "of the sequence is in the block the table names for p's block number, at p's slot "
+                            "within that block")
 
 
 # ---------------------------------------------------------------------------------------------------

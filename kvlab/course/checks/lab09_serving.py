@@ -89,7 +89,7 @@ def _verify_step(sch, snap, batch, where) -> None:
     total = sum(n for _, n in batch.work)
     if total > sch.max_tokens:
         raise fail(NAME_SCHED, f"{where}: the step holds {total} tokens but max_num_batched_tokens is {sch.max_tokens}: "
-                               "you admit past the budget; give a sequence min(its tokens to run, the budget left)")
+                               "you admit past the budget; no sequence gets more tokens than the budget has left (rule 1)")
     if len(seqs) > sch.max_seqs:
         raise fail(NAME_SCHED, f"{where}: {len(seqs)} sequences in one step, max_num_seqs is {sch.max_seqs}")
     for s, n in batch.work:
@@ -101,7 +101,8 @@ def _verify_step(sch, snap, batch, where) -> None:
                                    "the victim among the running sequences that have not run yet in this step")
         if s.status is not Status.RUNNING or s.num_computed + n > len(s.block_table) * sch.blocks.block_size:
             raise fail(NAME_SCHED, f"{where}: request {s.rid} is scheduled without blocks for its tokens (or is not "
-                                   "running): take them with self.grant(batch, seq, n), which also admits a waiting one")
+                                   "running): a sequence's tokens in a step come with their blocks, through the scheduler's grant (which "
+                                   "also admits a waiting one)")
     _verify_victims(sch, snap, batch, where)
     _verify_fairness(sch, snap, batch, where, total)
 
@@ -123,7 +124,7 @@ def _verify_victims(sch, snap, batch, where) -> None:
     if victims and snap["need"] <= snap["free"]:
         raise fail(NAME_SCHED, f"{where}: you preempted {[v.rid for v in victims]} although the {snap['free']} free "
                                f"blocks could hold every running sequence's next tokens ({snap['need']} blocks): "
-                               "preempt only while self.blocks.can_hold(seq, ...) is False")
+                               "preempt only while the pool cannot hold a running sequence's next tokens (rule 2)")
 
 
 def _verify_fairness(sch, snap, batch, where, total) -> None:
@@ -133,8 +134,8 @@ def _verify_fairness(sch, snap, batch, where, total) -> None:
     left_out = [s for s in snap["running"] if s.status is Status.RUNNING and id(s) not in scheduled]
     if left_out and room and not sch.blocks.can_hold(left_out[0], left_out[0].num_computed + 1):
         raise fail(NAME_SCHED, f"{where}: request {left_out[0].rid} was running and got no token because the pool could "
-                               "not hold it, and nothing was preempted: when blocks.can_hold(...) is False, preempt the "
-                               "newest running sequence that has not run in this step (self.preempt) and try again")
+                               "not hold it, and nothing was preempted: rule 2, when the pool cannot hold a running sequence, "
+                               "preempt the newest running sequence that has not run in this step, then try again")
     ran = {id(s) for s, _ in batch.work}
     chunk = next((s for s, _ in batch.work if s.to_compute > 1 and any(s is r for r in snap["running"])), None)
     decode = next((s for s in left_out if s.to_compute == 1), None)
@@ -154,7 +155,7 @@ def _verify_fairness(sch, snap, batch, where, total) -> None:
     if admitted != snap["waiting"][:len(admitted)]:
         first = next(s for s in snap["waiting"] if s not in admitted)
         raise fail(NAME_SCHED, f"{where}: you admitted request {admitted[-1].rid} before request {first.rid}, which "
-                               "waited longer: first come, first served (take self.waiting[0], stop when it cannot run)")
+                               "waited longer: first come, first served (the head of the queue first; stop at the first that cannot run)")
     if sch.waiting and not batch.preempted and room and len(sch.running) < sch.max_seqs:
         w = sch.waiting[0]
         n = min(w.num_tokens - sch.cached_tokens(w), sch.max_tokens - total)
@@ -164,9 +165,8 @@ def _verify_fairness(sch, snap, batch, where, total) -> None:
             if c and whole > n and not sch.blocks.can_hold(w, c + whole):
                 raise fail(NAME_SCHED, f"{where}: request {w.rid} was left waiting although {n} of its tokens fit the "
                                        f"step and the pool: {c} of its tokens come from the prefix cache (a preempted "
-                                       "request finds its own blocks there), so n = min(its tokens beyond "
-                                       f"cached_tokens, budget left) = {n} and can_hold's upto is {c} + n; counting "
-                                       "the cached tokens in n as well asks the pool for room it does not need")
+                                       "request finds its own blocks there): those are not run again and need no new "
+                                       "room; counting them among the tokens to run asks the pool for room it does not need")
             raise fail(NAME_SCHED, f"{where}: request {w.rid} was left waiting although {n} of its tokens fit the step "
                                    "and the pool: admit it (a prompt longer than the budget runs in chunks), or it may "
                                    "wait forever")
@@ -195,9 +195,9 @@ def _graded_class(Scheduler, title):
             except (AssertionError, NotImplementedError):
                 raise
             except OutOfBlocks as e:
-                raise fail(NAME_SCHED, f"case '{title}', step {Graded.step}: your schedule() asked self.grant for "
-                                       f"blocks the pool did not have (OutOfBlocks: {e}): ask self.blocks.can_hold("
-                                       "seq, upto) before granting; when it says no, preempt by rule 2 or stop "
+                raise fail(NAME_SCHED, f"case '{title}', step {Graded.step}: your schedule() granted "
+                                       f"blocks the pool did not have (OutOfBlocks: {e}): you granted without first asking "
+                                       "whether the pool can hold them; when it cannot, preempt by rule 2 or stop "
                                        "admitting by rule 3") from None
             except Exception as e:  # noqa: BLE001
                 raise fail(NAME_SCHED, f"case '{title}', step {Graded.step}: your schedule() raised "
@@ -227,7 +227,7 @@ def _run_case(Scheduler, model, case, reference):
         if s.output != want:
             i = next((j for j, (a, b) in enumerate(zip(s.output, want)) if a != b), min(len(s.output), len(want)))
             how = (f"it was preempted {s.preemptions} time(s) and resumed with lost or changed tokens: a preempted "
-                   "request keeps every token it has and recomputes them all (self.preempt does both)"
+                   "request keeps every token it has and recomputes them all"
                    if s.preemptions else "check which tokens you run (seq.num_computed onwards)")
             raise fail(NAME_SCHED, f"case '{title}': request {s.rid}'s new token #{i + 1} differs from its prompt "
                                    f"generated alone: {how}")
@@ -342,7 +342,7 @@ def _raised_in(e) -> str:
         tb = tb.tb_next
     if where == "evict" and isinstance(e, KeyError):
         return (": in your evict, a key no longer in self.block_of. An earlier eviction forgot a block's key in one "
-                "place and not the other (self.block_of and self.key_of must both forget it)")
+                "of the two maps between keys and blocks, not in both")
     return f": in your {where}" if where else ""
 
 
@@ -370,18 +370,19 @@ def check_prefix_cache(BlockManager) -> None:
 
 
 _PREFIX_HINTS = {
-    "a prompt that starts with a cached one": "Walk the prompt's full blocks in order with their chained keys "
-        "(self._keys) and stop at the first miss.",
+    "a prompt that starts with a cached one": "A prompt that starts with cached blocks hits each of "
+        "its full blocks, in order, up to the first miss; your lookup returned other blocks.",
     "a prompt that is exactly 3 cached blocks (its last token must still run)": "A full-block match "
         "must leave the prompt's last token out: its logits are the first output, so at least that token must run.",
     "a block whose tokens match but whose prefix does not": "A key must name the whole prefix (tokens and the "
         "parent's key), not the block's tokens alone; and stop at the first miss.",
     "the least recently used block evicted first (A's tail)": "evict() takes the least recently used unreferenced "
-        "block: self.cached is ordered least recently used first, and you took the other end.",
+        "block; yours evicted another one.",
     "the most recently used prompt kept": "evict() takes the least recently used unreferenced block.",
-    "an evicted block, reused for other tokens, never found by its old key": "You find an evicted block by its old "
-        "key: forget the key (self.block_of and self.key_of) when you evict the block.",
-    "a block held by a running sequence is never evicted": "Only unreferenced cached blocks (self.cached) are evicted.",
+    "an evicted block, reused for other tokens, never found by its old key": "Your lookup found an evicted block by "
+        "its old key: the eviction left that key behind, so the block's new tokens are served as the old ones.",
+    "a block held by a running sequence is never evicted": "You evicted a block a running sequence still holds: "
+        "only blocks no sequence references may be evicted.",
     "a prompt registered in blocks that were evicted is found again": "An evicted block kept a trace of its old "
         "key (in self.key_of or self.block_of), so it could not be registered under its new tokens: evict() must "
         "leave the block with no key at all.",

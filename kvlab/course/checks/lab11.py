@@ -200,7 +200,7 @@ def _pool_mistake(got, weight, bias, n_head, n_kv):
     if torch.allclose(got, first, atol=1e-5):
         return "you kept each group's first head; the GQA paper's conversion averages the group's heads (mean pooling)"
     if G > 1 and n_kv > 1 and torch.allclose(got, strided, atol=1e-5):
-        return ("you grouped heads h, h + n_kv, ...: a group is consecutive heads (head h belongs to group h // group_size), "
+        return ("you grouped every n_kv-th head together: a group is consecutive heads, "
                 "the layout repeat_kv assumes")
     return None
 
@@ -236,8 +236,8 @@ def _check_repeat(repeat_kv):
         heads = got[0, :, 0, 0].long().tolist()
         if heads != want.tolist():
             tiled = torch.arange(n_kv).repeat(group).tolist()
-            hint = (" (the heads tiled: query head h read kv head h % n_kv). Head h must read kv head h // group: "
-                    "repeat each head in place, e.g. x[:, :, None].expand(...).reshape(...) or repeat_interleave"
+            hint = (" (the heads tiled: the query heads cycle through the kv heads). A group is consecutive query "
+                    "heads, so each kv head serves `group` query heads in a row"
                     if heads == tiled else "")
             raise fail(NAME_GQA, f"repeat_kv with {n_kv} kv heads, groups of {group}: query heads read kv heads "
                                  f"{heads}, expected {want.tolist()}{hint}")
