@@ -6,9 +6,25 @@ Presentation only: nothing here times or runs a model.
 from __future__ import annotations
 import torch
 from . import plots, verdicts
+from .cache import EMPTY, visible
 from . import generators as G
 from .staticbench import VARIANTS
 from .tables import show
+
+
+def print_static_mask(pos: int, T: int, max_len: int, stale_from: int) -> None:
+    """Which of ``max_len`` static slots ``T`` new queries at positions ``pos ..`` may see, by the
+    model's one rule (:func:`kvlab.cache.visible`) on the positions the slots hold: slots before
+    ``pos`` hold the prompt so far, ``pos .. pos+T-1`` the new tokens, ``stale_from ..`` a previous
+    prompt's later positions. ``x`` may attend, ``.`` hidden, ``s`` a hidden stale slot."""
+    slot_pos = torch.arange(max_len)
+    slot_pos[stale_from:] += max_len            # a previous prompt's keys sit at later positions
+    slot_pos[pos + T:stale_from] = EMPTY        # never written
+    queries = pos + torch.arange(T)
+    seen = visible(queries[None], slot_pos[None, None])[0]
+    for i, row in enumerate(seen.tolist()):
+        marks = ["x" if ok else "s" if j >= stale_from else "." for j, ok in enumerate(row)]
+        print(f"query at position {pos + i}: " + " ".join(marks))
 
 
 def print_rows(rows: list[dict]) -> None:
