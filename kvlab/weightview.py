@@ -40,7 +40,8 @@ def format_sentences(rows: list[dict]) -> list[str]:
     compiled), worded by the noise test; what its bytes alone predict beside what was measured."""
     out = []
     for model in dict.fromkeys(r["model"] for r in rows):
-        dev = verdicts.on(next(r for r in rows if r["model"] == model)["device"])
+        first = next(r for r in rows if r["model"] == model)
+        dev = verdicts.on(first["device"], first["threads"])
         for how in dict.fromkeys(r["generator"] for r in rows if r["model"] == model):
             base = _row(rows, model, "fp32", how)
             for r in (x for x in rows if x["model"] == model and x["generator"] == how and x is not base):
