@@ -5,7 +5,8 @@ One module per job, on four floors; a test (``tests/test_layout.py``) keeps the 
 The domain: what the book builds. It computes and never prints, plots, times or grades, and imports
 only the domain.
 
-* the model and its caches: ``gpt2`` (the hand-built GPT-2 and its ONE forward pass), ``cache`` (the
+* the model and its caches: ``gpt2`` (the hand-built GPT-2 and its ONE forward pass), ``forwardcheck``
+  (what that forward checks at its entry), ``weights`` (chapter 8's bf16 and int8 weights), ``matvec`` (batch 1's products as reductions), ``cache`` (the
   cache interface, its one mask rule and chapter 3's caches), ``pastlen`` (lab 3's cache contract in
   that interface), ``quant`` (the maths of quantization) and ``quant_cache`` (chapter 5's caches),
   ``static`` (chapter 8's static cache and compiled decode step), ``paged`` (chapter 9's allocator and
@@ -29,7 +30,7 @@ Measurement: ``timing`` (honest timing), ``probes`` (the machine's bandwidth and
 ``harness`` (same tokens before timing, the decode-then-rewind timer), ``generators`` (the roster of
 the book's generators, one name each), ``footprint`` (the bytes tensors really hold),
 ``compilecount`` (what torch counts of a compiled function), per chapter ``quantbench`` (5),
-``rooflinebench`` (7), ``staticbench`` (8), ``servingbench`` and ``servingcost`` (9), ``specbench`` (10), ``shrinkbench`` (11); the commands ``bench`` (the headline
+``rooflinebench`` (7), ``staticbench`` and ``weightbench`` (8), ``servingbench`` and ``servingcost`` (9), ``specbench`` (10), ``shrinkbench`` (11); the commands ``bench`` (the headline
 ratios), ``report`` (a device's measurements as JSON: ``report_sections``, ``machine``) and ``cli``
 (their argument checks).
 
@@ -37,7 +38,7 @@ Presentation: ``notebook`` (a notebook's setup in one call: threads, seed, devic
 ``tables`` (tables that fit the page), ``plots`` (figures), ``draw`` and ``draw_engine``
 (diagrams drawn from the objects the code builds), ``progress`` (progress bars only where someone
 watches), ``verdicts`` (sentences computed from measurements), ``provenance`` (what produced a
-number: banner and stamps), ``calculator`` (chapter 4's calculator), ``rooflineview`` and
+number: banner and stamps), ``calculator`` (chapter 4's calculator), ``rooflineview``, ``weightview`` and
 ``staticview`` (chapters 7 and 8's tables, figures and sentences), ``specreport`` (chapter 10's),
 ``results`` (recorded runs read back).
 

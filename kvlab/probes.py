@@ -2,9 +2,10 @@
 
 ``kvlab.roofline`` is arithmetic: the bytes and FLOPs a step must move, and the floor they set for a
 given bandwidth and arithmetic rate. This module measures those two rates on the machine at hand and
-says, in one printed line each, what it timed: a read-only bandwidth probe over a buffer several
-times the last-level cache (the copy and matrix-vector probes beside it), and the matrix-product rate
-of the dtype that does the arithmetic.
+says, in one printed line each, what it timed: the fastest of several read-only kernels over buffers
+several times the last-level cache (a reduction in fp32 and bf16, inductor's compiled reduction, a
+matrix-vector product; on CUDA the device-to-device copy too), the copy beside it, and the
+matrix-product rate of the dtype that does the arithmetic.
 
     m = probes.machine("cpu")            # {"bandwidth": ..., "flops": ..., "ridge": ..., ...}
     roofline.step_time_floor(model, 1, 128, m["bandwidth"], m["flops"])
@@ -66,19 +67,42 @@ def _default_probe_mib(device) -> int:
     return max(64, 4 * llc // 2**20)
 
 
-_PROBES = {   # kind -> (bytes moved per element of the buffer, what is timed)
-    "read": (1, "sum of"), "copy": (2, "copy of"), "gemv": (1, "matrix-vector product over"),
+_PROBES = {   # kind -> (bytes moved per byte of the buffer, dtype of the buffer, what is timed)
+    "read": (1, torch.float32, "sum of"), "read bf16": (1, torch.bfloat16, "bf16 sum of"),
+    "compiled read": (1, torch.float32, "compiled (inductor) sum of"),
+    "gemv": (1, torch.float32, "matrix-vector product over"),
+    "compiled gemv": (1, torch.float32, "compiled row-dot (inductor) over"), "copy": (2, torch.float32, "copy of"),
 }
+
+#: The readers :func:`best_bandwidth` tries: a decode step only reads, so the floor's bandwidth is what
+#: the fastest of them streams. On CUDA the device-to-device copy (a DMA engine) joins them.
+READERS = ("read", "read bf16", "compiled read", "gemv", "compiled gemv")
+
+_COMPILED = {}
+
+
+def _compiled(kind: str, device, fn):
+    """One compiled function per (kind, device type), reused by every probe of that kind."""
+    key = (kind, torch.device(device).type)
+    if key not in _COMPILED:
+        _COMPILED[key] = torch.compile(fn, dynamic=False)
+    return _COMPILED[key]
 
 
 def _probe_fn(kind: str, src: torch.Tensor):
-    if kind == "read":
+    if kind in ("read", "read bf16"):
         return lambda: src.sum()                       # reads every byte once, writes one number
+    if kind == "compiled read":
+        fn = _compiled(kind, src.device, lambda t: t.sum())
+        return lambda: fn(src)
     if kind == "copy":
         dst = torch.empty_like(src)
         return lambda: dst.copy_(src)                  # read + write (plus, on a CPU without streaming
     mat = src.view(-1, 4096)                           # stores, a read-for-ownership of dst)
     vec = torch.ones(4096, dtype=src.dtype, device=src.device)
+    if kind == "compiled gemv":                        # kvlab.matvec's reduction, one row per output
+        fn = _compiled(kind, src.device, lambda m, v: (m * v).sum(-1))
+        return lambda: fn(mat, vec)
     return lambda: mat @ vec
 
 
@@ -86,11 +110,14 @@ def measure_bandwidth(device="cpu", size_mib: int | None = None, threads: int | 
                       repeats: int = 7, verbose: bool = True, kind: str = "read") -> float:
     """Bytes/s streamed over a buffer several times the last-level cache, median of ``repeats``.
 
-    ``kind="read"`` (the floor's bandwidth): a reduction, which only reads, as a decode step reads
-    its weights and cache. ``"copy"``: a tensor copy, read and write bytes both counted; on a CPU
-    the write also costs a read-for-ownership the count leaves out, so it understates what a
-    read-only step can stream. ``"gemv"``: a float32 matrix-vector product, the BLAS kernel a batch-1
-    step runs. On a CPU the thread count is fixed (``threads``, else torch's current one) and printed.
+    ``kind="read"``: a float32 reduction, which only reads, as a decode step reads its weights and
+    cache; ``"read bf16"`` the same over bf16; ``"compiled read"`` inductor's own reduction kernel;
+    ``"gemv"``: a float32 matrix-vector product, the BLAS kernel a batch-1 step runs; ``"compiled
+    gemv"``: the same product as one reduction per row, compiled (``kvlab.matvec``). ``"copy"``: a
+    tensor copy, read and write bytes both counted; on a CPU the write also costs a read-for-ownership
+    the count leaves out, so it understates what a read-only step can stream. The floor uses the best
+    of the readers (:func:`best_bandwidth`). On a CPU the thread count is fixed (``threads``, else
+    torch's current one) and printed.
     """
     if kind not in _PROBES:
         raise ValueError(f"kind must be one of {sorted(_PROBES)}, got {kind!r}")
@@ -99,9 +126,10 @@ def measure_bandwidth(device="cpu", size_mib: int | None = None, threads: int | 
     threads, repeats = None if threads is None else check_int(threads, "threads", 1), check_int(repeats, "repeats", 1)
     threads = _threads(device, threads)
     mib = size_mib or _default_probe_mib(device)
-    src = torch.ones(mib * 2**20 // 4 // 4096 * 4096, dtype=torch.float32, device=device)
+    moved, dtype, what = _PROBES[kind]
+    per = torch.tensor([], dtype=dtype).element_size()
+    src = torch.ones(mib * 2**20 // per // 4096 * 4096, dtype=dtype, device=device)
     seconds = median_seconds(_probe_fn(kind, src), device, repeats=repeats, threads=threads)
-    moved, what = _PROBES[kind]
     bw = moved * src.numel() * src.element_size() / seconds
     if verbose:
         where = f"{threads} threads" if device.type == "cpu" else str(device)
@@ -109,6 +137,35 @@ def measure_bandwidth(device="cpu", size_mib: int | None = None, threads: int | 
         note = " - fits in the last-level cache!" if llc and mib * 2**20 <= llc else ""
         print(f"bandwidth ({kind}): {bw / 1e9:.1f} GB/s  ({what} {mib} MiB, {where}{note})")
     return bw
+
+
+def best_bandwidth(device="cpu", threads: int | None = None, repeats: int = 7, verbose: bool = True,
+                   sizes: tuple[int, ...] = (1, 2)) -> tuple[float, str]:
+    """The floor's bandwidth: the fastest of :data:`READERS` (and, on CUDA, the device-to-device copy)
+    over buffers of ``sizes`` x the default probe size (four times the last-level cache). Returns
+    ``(bytes/s, "kind, N MiB")`` of the winner. A generator that streams faster than this shows the
+    probe is not yet the machine's limit (:func:`above_probe`)."""
+    device = check_device(device)
+    base = _default_probe_mib(device)
+    kinds = READERS + (("copy",) if device.type == "cuda" else ())
+    results = {(k, base * f): measure_bandwidth(device, base * f, threads, repeats, verbose=False, kind=k)
+               for k in kinds for f in sizes}
+    (kind, mib), bw = max(results.items(), key=lambda kv: kv[1])
+    if verbose:
+        tried = ", ".join(f"{k} {m} MiB {b / 1e9:.1f}" for (k, m), b in results.items())
+        where = f"{torch.get_num_threads()} threads" if device.type == "cpu" else str(device)
+        print(f"bandwidth (best reader): {bw / 1e9:.1f} GB/s  ({kind}, {mib} MiB, {where}; tried: {tried} GB/s)")
+    return bw, f"{kind}, {mib} MiB"
+
+
+def above_probe(achieved: float, probe: float, step_bytes: int, device="cpu", slack: float = 1.05) -> bool:
+    """True when a generator streamed more than ``slack`` x the probe's bandwidth while its step read
+    more bytes than the last-level cache holds (below that, the step may be served from the cache,
+    which no DRAM probe bounds): then the probe is not a floor, and the book says so."""
+    device = torch.device(device)
+    cache = (cpu_cache_bytes() if device.type == "cpu"
+             else getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0))
+    return step_bytes > (cache or 0) and achieved > slack * probe
 
 
 def measure_matmul_flops(device="cpu", dtype=torch.float32, n: int | None = None,
@@ -151,13 +208,15 @@ def arithmetic_rate(device="cpu", dtype=torch.float32, threads: int | None = Non
 
 
 def machine(device="cpu", dtype=torch.float32, threads: int | None = None, verbose: bool = True) -> dict:
-    """The machine's numbers at once: the read probe's bandwidth (the floor's), the copy's beside it,
-    the matmul rate of the dtype doing the arithmetic (:func:`arithmetic_rate`) and the ridge point."""
+    """The machine's numbers at once: the best reader's bandwidth (the floor's, :func:`best_bandwidth`),
+    the copy's beside it, the matmul rate of the dtype doing the arithmetic (:func:`arithmetic_rate`)
+    and the ridge point."""
     device, dtype = check_device(device), as_dtype(dtype)     # before the first measurement
-    bw = measure_bandwidth(device, threads=threads, verbose=verbose, kind="read")
-    copy = measure_bandwidth(device, threads=threads, verbose=verbose, kind="copy")
-    fl, used = arithmetic_rate(device, dtype, threads=threads, verbose=verbose)
-    return {"bandwidth": bw, "copy_bandwidth": copy, "flops": fl, "flops_dtype": used,
+    _threads(device, threads)
+    bw, reader = best_bandwidth(device, verbose=verbose)
+    copy = measure_bandwidth(device, verbose=verbose, kind="copy")
+    fl, used = arithmetic_rate(device, dtype, verbose=verbose)
+    return {"bandwidth": bw, "reader": reader, "copy_bandwidth": copy, "flops": fl, "flops_dtype": used,
             "ridge": fl / bw, "threads": torch.get_num_threads()}
 
 

@@ -25,13 +25,14 @@ def window_loss(model, ids, window: int = 512, batch: int = 8,
     windows = ids[:n * window].view(n, window)
     if max_windows is not None and n > max_windows:
         windows = windows[torch.linspace(0, n - 1, max_windows).long()]
-    device = next(model.parameters()).device
+    device = next(p for p in model.parameters() if p.is_floating_point()).device
     was_training = model.training
     model.eval()
     total, count = 0.0, 0
     for i in range(0, windows.shape[0], batch):
         x = windows[i:i + batch].to(device)
-        logits = model(input_ids=x).logits.float()
+        out = model(input_ids=x)
+        logits = getattr(out, "logits", out).float()     # a transformers model, or the hand-built GPT-2
         total += torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), x[:, 1:].flatten(),
                                                    reduction="sum").item()
         count += x[:, 1:].numel()

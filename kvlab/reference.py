@@ -57,8 +57,8 @@ def hf_greedy(model, input_ids: torch.Tensor, max_new_tokens: int, use_cache: bo
 def hf_compile_config(device, backend="inductor", mode: str | None = None):
     """A transformers ``CompileConfig`` for ``generate`` (chapter 8): ``reduce-overhead`` (CUDA
     graphs) on CUDA, inductor's default mode elsewhere. transformers compiles the decode step by itself
-    only on accelerators; its ``_compile_all_devices`` flag (meant for exactly this) asks it to on a
-    CPU too. The flag is private: if this transformers release no longer reads it, a RuntimeError
+    only on accelerators; its private ``_compile_all_devices`` flag, which transformers' own source
+    describes as "often not optimal, but useful for testing purposes" on a CPU, asks it to there too. The flag is private: if this transformers release no longer reads it, a RuntimeError
     says so here, rather than ``generate`` running eagerly in a row that claims to be compiled."""
     from transformers import CompileConfig
 

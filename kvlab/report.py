@@ -17,6 +17,9 @@ Sections, each measured with ``kvlab.timing`` (warm-up, medians, variants interl
 * ``batch_throughput``      new tokens per second against batch size
 * ``floor``                 measured decode step against the bandwidth/FLOP floor (``kvlab.roofline``)
 * ``compiled``              compiled vs eager decode of the hand-built GPT-2 (``kvlab.static``)
+* ``compiled_batches``      the compiled decode at several batch sizes, one graph per captured size
+* ``weights``               fp32, bf16 and int8 weights, eager and compiled, each against its floor
+* ``prefill``               the floor of a prefill of N tokens and where a forward turns compute-bound
 
 A time budget (``--budget``) bounds the run: each section gets a share of what is left, and a grid
 that runs out of time stops early and is marked ``truncated``. The file is rewritten (atomically)
@@ -47,9 +50,11 @@ from .machine import device_info, git_commit, load_average
 from .report_sections import Run, rounded, plan
 
 SCHEMA = 1
-SECTIONS = ("speedup", "per_position", "ours_vs_transformers", "batch_throughput", "floor", "compiled")
+SECTIONS = ("speedup", "per_position", "ours_vs_transformers", "batch_throughput", "floor", "compiled",
+            "compiled_batches", "weights", "prefill")
 # The sections that need a later chapter's module; skipped (and said so) while it is absent.
-NEEDS = {"floor": "kvlab.roofline", "compiled": "kvlab.static"}
+NEEDS = {"floor": "kvlab.roofline", "compiled": "kvlab.static", "compiled_batches": "kvlab.static",
+         "weights": "kvlab.weights", "prefill": "kvlab.roofline"}
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import torch
 
 from . import generators as G
-from . import gpt2, harness, loading, probes, progress, roofline, rooflinebench, staticbench, timing
+from . import gpt2, harness, loading, probes, progress, roofline, rooflinebench, staticbench, timing, weightbench
 from .batching import generate_batch
 from .reference import cached_generate, naive_generate, naive_step
 from .static import StaticDecoder
@@ -214,7 +214,7 @@ def floor(run: Run) -> dict:
     dtype = next(run.model(run.plan["models"][0])[1].parameters()).dtype
     probe = run.plan.get("probe", {})              # fewer repeats and a smaller matmul in quick mode
     reps = probe.get("repeats", 7)                 # the bandwidth buffer is always sized from the LLC
-    bw = probes.measure_bandwidth(run.device, repeats=reps, verbose=False, kind="read")
+    bw, reader = probes.best_bandwidth(run.device, repeats=reps, verbose=False)
     copy = probes.measure_bandwidth(run.device, repeats=reps, verbose=False, kind="copy")
     fl = probes.measure_matmul_flops(run.device, dtype, n=probe.get("n"), repeats=reps, verbose=False)
     rows = []
@@ -230,7 +230,7 @@ def floor(run: Run) -> dict:
                              of_read_probe=rounded(achieved / bw, 4)))
     return dict(generator="hand-built GPT-2, preallocated cache", dtype=str(dtype).removeprefix("torch."),
                 bandwidth_GBps=rounded(bw / 1e9, 4), copy_GBps=rounded(copy / 1e9, 4),
-                bandwidth_probe="read-only reduction over 4x the last-level cache",
+                bandwidth_probe=f"the best of several read-only kernels ({reader}) over 4x and 8x the last-level cache",
                 matmul_GFLOPs=rounded(fl / 1e9, 4), rows=rows)
 
 
@@ -255,9 +255,8 @@ def compiled(run: Run) -> dict:
         prompt = run.prompt(name, 8)
         static = StaticDecoder(ours, max_len=8 + n_new)
         comp = StaticDecoder(ours, max_len=8 + n_new).compile(backend=backend)
-        t0 = time.perf_counter()
-        comp.generate(prompt, n_new)                      # the first call compiles
-        compile_s = time.perf_counter() - t0             # the first call; compile_seconds() below
+        # the first call compiles; timed with the device synchronised before and after it
+        compile_s = staticbench.time_first_call(lambda: comp.generate(prompt, n_new), run.device)
         fns = {"eager, preallocated cache": lambda: gpt2.generate(ours, prompt, n_new),
                "static cache, eager": lambda: static.generate(prompt, n_new),
                "static cache, compiled": lambda: comp.generate(prompt, n_new)}
@@ -272,3 +271,58 @@ def compiled(run: Run) -> dict:
                              identical_tokens=first_diff[k] is None, first_difference=first_diff[k],
                              compile_s=rounded(compile_s, 3) if k.endswith("compiled") else None))
     return dict(backend=backend, mode=mode, prompt_len=8, rows=rows)
+
+
+def weights(run: Run) -> dict:
+    """Chapter 8: the hand-built GPT-2 with fp32, bf16 and int8 weights, eager and compiled, in one
+    interleaved run, each against its own floor (``kvlab.weightbench``)."""
+    m = probes.machine(run.device, verbose=False)
+    rows = []
+    for name in run.each_model(run.plan["compiled_models"]):
+        _, ours = run.model(name)
+        n_new = _new_tokens(run, ours)
+        compiled = run.plan["compile_backend"] == "inductor"   # quick mode: eager only (no inductor build)
+        for r in weightbench.measure(ours, 8, n_new, repeats=run.plan["repeats"], compiled=compiled,
+                                     machine=m, progress=False):
+            rows.append(dict(model=name, weights=r["weights"], variant=r["generator"], new_tokens=n_new,
+                             step_MB=rounded(r["step_bytes"] / 1e6, 4), median_s=rounded(r["per_token"] * n_new),
+                             floor_ms=rounded(r["floor_per_token"] * 1e3), vs_floor=rounded(r["x_floor"], 4),
+                             achieved_GBps=rounded(r["achieved"] / 1e9, 4), of_read_probe=rounded(r["of_probe"], 4),
+                             same_as_fp32=r["same_as_fp32"]))
+    return dict(bandwidth_GBps=rounded(m["bandwidth"] / 1e9, 4), bandwidth_probe=f"best reader ({m['reader']})",
+                rows=rows)
+
+
+def prefill(run: Run) -> dict:
+    """Chapter 7: the floor of a prefill of N prompt tokens (``roofline.forward_floor``), computed from
+    this device's measured rates, and the token count from which a forward is compute-bound."""
+    m = probes.machine(run.device, verbose=False)
+    rows = []
+    for name in run.each_model():
+        _, ours = run.model(name)
+        ridge = rooflinebench.prefill_ridge(ours, m["bandwidth"], m["flops"])
+        for r in rooflinebench.prefill_rows(ours, (1, 16, 64, 256, 1024), m["bandwidth"], m["flops"]):
+            rows.append(dict(model=name, prompt_tokens=r["tokens"], floor_ms=rounded(r["floor"] * 1e3),
+                             bound=r["bound"], compute_bound_from=ridge))
+    return dict(bandwidth_GBps=rounded(m["bandwidth"] / 1e9, 4), matmul_GFLOPs=rounded(m["flops"] / 1e9, 4),
+                rows=rows)
+
+
+def compiled_batches(run: Run) -> dict:
+    """Chapter 8: the compiled decode at several batch sizes, one decoder (one graph) per captured
+    size, as engines capture one CUDA graph per batch size; per-token time and achieved bandwidth."""
+    backend = run.plan["compile_backend"]
+    rows = []
+    for name in run.each_model(run.plan["compiled_models"]):
+        _, ours = run.model(name)
+        n_new = min(_new_tokens(run, ours), 32)
+        for b in run.points(run.plan["batch_sizes"][:4], f"compiled batches {name}"):
+            prompt = run.prompt(name, 8, b)
+            dec = StaticDecoder(ours, batch_size=b, max_len=8 + n_new).compile(backend=backend)
+            staticbench.time_first_call(lambda: dec.generate(prompt, n_new), run.device)
+            t = run.compare({"step": lambda: dec.generate(prompt, n_new)}, warmup=0)["step"]
+            achieved = roofline.achieved_bandwidth(ours, b, 8, n_new, t.median)
+            rows.append(dict(model=name, batch=b, new_tokens=n_new, median_s=rounded(t.median),
+                             tokens_per_s=rounded(b * n_new / t.median, 4), achieved_GBps=rounded(achieved / 1e9, 4),
+                             variant=f"matvec={dec.matvec}"))
+    return dict(backend=backend, rows=rows)

@@ -35,6 +35,8 @@ HEADERS = {
     "achieved_GBps": "achieved (GB/s)", "of_read_probe": "share of the read probe's bandwidth",
     "copy_GBps": "copy bandwidth (GB/s)", "bandwidth_probe": "bandwidth measured by",
     "dtype": "dtype", "backend": "compile backend", "mode": "compile mode",
+    "weights": "weights", "step_MB": "bytes a step reads (MB)", "same_as_fp32": "tokens equal to fp32's",
+    "prompt_tokens": "prompt tokens N", "compute_bound_from": "compute-bound from N =",
 }
 TITLES = {
     "speedup": "Naive vs cached generation: total time against N (chapter 2)",
@@ -43,6 +45,9 @@ TITLES = {
     "batch_throughput": "Throughput against batch size (chapter 6)",
     "floor": "Decode steps against the bandwidth and FLOP floor (chapter 7)",
     "compiled": "Compiled vs eager decode (chapter 8)",
+    "compiled_batches": "The compiled decode at several batch sizes, one graph each (chapter 8)",
+    "weights": "fp32, bf16 and int8 weights against their floors (chapter 8)",
+    "prefill": "The floor of a prefill of N tokens (chapter 7)",
 }
 # How to plot a section: x key, y keys, the keys that split rows into lines, axis labels, log-2 x axis.
 PLOTS = {

@@ -283,13 +283,48 @@ H200 = {"name": "H200 (published figures)", "bandwidth": 4.8e12, "fp32": 67e12, 
 
 def dtype_rows(names, bandwidth: float, rates: dict, contexts=(0, 512, 2048)) -> list[dict]:
     """Ridge and critical batch per model when the same machine computes in each dtype of ``rates``
-    ({dtype: FLOP/s}, the model stored in that dtype): computed from the same functions."""
+    ({dtype: FLOP/s}, the model stored in that dtype): computed from the same functions. A context
+    beyond the model's own is left out of ``critical`` (no step of it exists)."""
     rows = []
     for dtype, rate in rates.items():
         for name in names:
             m = roofline.meta_model(name, dtype)
+            fits = [c for c in contexts if c <= context_length(m)]
             rows.append(dict(name=name, dtype=str(dtype).removeprefix("torch."), ridge=rate / bandwidth,
-                             critical=dict(zip(contexts, roofline.critical_batch_curve(m, contexts, bandwidth, rate)))))
+                             critical=dict(zip(fits, roofline.critical_batch_curve(m, fits, bandwidth, rate)))))
     return rows
 
 
+
+
+def prefill_rows(model, token_counts, bandwidth: float, flops: float) -> list[dict]:
+    """Chapter 7's floor of a forward of ``N`` prompt tokens from an empty cache (one logit row), for
+    each ``N`` of ``token_counts`` within the model's context (:func:`kvlab.roofline.forward_floor`):
+    the floor, per token, and which term bounds it."""
+    rows = []
+    for n in (n for n in token_counts if n <= context_length(model)):
+        attended = n * (n - 1) // 2
+        b = roofline.step_bytes(model, n, 1, 0) / bandwidth
+        f = roofline.step_flops(model, n, 1, attended) / flops
+        rows.append(dict(tokens=n, floor=max(b, f), per_token=max(b, f) / n, memory=b, compute=f,
+                         bound="compute" if f > b else "memory"))
+    return rows
+
+
+def prefill_ridge(model, bandwidth: float, flops: float) -> int | None:
+    """The fewest prompt tokens whose forward is bound by compute (``None``: none within the context):
+    below it a forward costs about the same whatever its token count, above it each token costs its
+    FLOPs. Chapter 9's token budget per step is a choice about where to sit on this curve."""
+    rows = prefill_rows(model, range(1, context_length(model) + 1), bandwidth, flops)
+    return next((r["tokens"] for r in rows if r["bound"] == "compute"), None)
+
+
+def chunk_floor(model, decode_rows: int, context: int, chunk: int, done: int, bandwidth: float,
+                flops: float) -> float:
+    """Floor of one mixed step (chapter 9): ``decode_rows`` sequences decoding at ``context`` cached
+    positions each, plus a chunk of ``chunk`` prompt tokens after ``done`` of its prompt's tokens
+    are cached (the chunk gives no logit row unless it ends the prompt: counted as one here)."""
+    tokens = decode_rows + chunk
+    cached = decode_rows * context + done
+    attended = decode_rows * context + chunk * done + chunk * (chunk - 1) // 2
+    return roofline.forward_floor(model, tokens, decode_rows + 1, cached, attended, bandwidth, flops)

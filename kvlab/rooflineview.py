@@ -4,7 +4,9 @@ Presentation only: nothing here times or runs a model.
 """
 
 from __future__ import annotations
-from . import plots
+import torch
+
+from . import probes, plots
 from .generators import EAGER as GENERATORS
 from .tables import show
 from . import verdicts
@@ -99,14 +101,41 @@ def dominant(breakdown: dict) -> tuple[str, float]:
     return k, kinds[k] / breakdown["wall"]
 
 
-def llc_caveat(rows, cache_bytes) -> str:
-    """A caveat when a measured step beat the DRAM floor: the weights may sit in the CPU's cache."""
+def llc_caveat(rows, device) -> str:
+    """A caveat when a measured step beat the DRAM floor: the weights may sit in the device's
+    largest cache (a CPU's last-level cache, as Linux reports it; a GPU's L2)."""
     below = [r for r in rows if r.get("ratio", 2) < 1 or r.get("measured", 2) < r.get("floor", 0)]
     if not below:
         return ""
+    device = torch.device(device)
+    if device.type == "cuda":
+        size, what = torch.cuda.get_device_properties(device).L2_cache_size, "this GPU's L2 cache"
+    else:
+        size, what = probes.cpu_cache_bytes() or 0, "this CPU's last-level cache (as Linux reports it)"
     return ("Some measured times are BELOW the floor computed from the measured DRAM bandwidth: the "
-            f"working set fits in this CPU's last-level cache ({cache_bytes / 2**20:.0f} MiB as Linux "
-            "reports it), which is faster than DRAM, so the DRAM floor does not bind there.")
+            f"working set fits in {what}, {size / 2**20:.0f} MiB, which is faster than DRAM, so the DRAM "
+            "floor does not bind there.")
+
+
+def critical_cell(critical: dict, context: int) -> str:
+    """A critical batch for a table: the batch, "never" (no batch is compute-bound) or "-" (the
+    context is beyond the model's own)."""
+    if context not in critical:
+        return "-"
+    return f"{critical[context]:,}" if critical[context] else "never"
+
+
+def bf16_sentence(rows, where: str) -> str:
+    """Which way bf16 moves the ridge and GPT-2's critical batch on one machine, computed."""
+    r32 = next(r for r in rows if r["dtype"] == "float32")
+    r16 = next(r for r in rows if r["dtype"] == "bfloat16" and r["name"] == r32["name"])
+    way = "out" if r16["ridge"] > r32["ridge"] else "in"
+    text = (f"{where}: in bf16 the ridge is {r16['ridge'] / r32['ridge']:.2f}x the fp32 one, so bf16 moves it "
+            f"{way}")
+    c32, c16 = r32["critical"].get(0), r16["critical"].get(0)
+    if c32 and c16:
+        text += f", and {r32['name']}'s critical batch at zero context moves {c16 / c32:.2f}x ({c32:,} -> {c16:,})"
+    return text + " (computed from the rates above)."
 
 
 def print_model_table(rows, contexts=(0, 512, 1000, 4096, 32768)) -> None:

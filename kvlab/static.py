@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from .cache import EMPTY, Cache
+from .matvec import as_reductions
 from .validate import check_inputs, check_max_len
 
 
@@ -233,7 +234,7 @@ class StaticDecoder:
 
     def __init__(self, model, batch_size: int = 1, max_len: int | None = None, cache_cls=None,
                  attention_fn: Callable | None = None):
-        cfg, p = model.config, model.wte.weight
+        cfg, p = model.config, model.ln_f.weight   # the compute dtype and device
         self.batch_size = batch_size
         self.max_len = check_max_len(max_len, cfg.n_positions)   # 0 is an error, not "the whole context"
         sizes = (cfg.n_layer, batch_size, cfg.n_head, cfg.head_dim, self.max_len, p.dtype, p.device)
@@ -249,27 +250,42 @@ class StaticDecoder:
             self.model.attention_fn = Lab8Attention(attention_fn)
         self.ids = torch.zeros(batch_size, 1, dtype=torch.long, device=p.device)   # the step's input
         mark_static([self.ids])
+        self.step_model = self.model     # what the decode step runs (compile may give it reductions)
         self.step = self._step
         self.compiled = False
         self.cuda_graphs = False
+        self.matvec = "blas"
 
     def _step(self, ids):
         """One decode step (chapter 8): ids ``[B, 1]`` at the cache's position -> the greedy next ids
         ``[B]``, through the model's one forward."""
-        return self.model(ids, self.cache, last_only=True)[:, -1].argmax(dim=-1)
+        return self.step_model(ids, self.cache, last_only=True)[:, -1].argmax(dim=-1)
 
-    def compile(self, backend="inductor", mode: str | None = None, fullgraph: bool = True, **kwargs):
+    def compile(self, backend="inductor", mode: str | None = None, fullgraph: bool = True,
+                matvec: str = "auto", **kwargs):
         """``torch.compile`` the decode step (``dynamic=False``: every step has the same shapes).
 
         ``mode=None`` picks ``"reduce-overhead"`` on CUDA (CUDA graphs) and ``"default"`` elsewhere
         (on a CPU, inductor generates C++/OpenMP kernels; there are no graphs to replay).
+        ``matvec``: ``"blas"`` keeps every product a library call; ``"reduction"`` writes batch 1's
+        matrix-vector products as reductions inductor compiles itself (:mod:`kvlab.matvec`);
+        ``"auto"`` picks ``"reduction"`` for inductor on a CPU at batch 1 (chapter 8 measures both).
         """
         on_cuda = self.ids.device.type == "cuda"
+        if matvec not in ("auto", "blas", "reduction"):
+            raise ValueError(f"matvec must be 'auto', 'blas' or 'reduction', got {matvec!r}")
+        if matvec == "auto":
+            matvec = "reduction" if (backend == "inductor" and not on_cuda and self.batch_size == 1) else "blas"
+        if matvec == "reduction" and self.batch_size != 1:
+            raise ValueError(f"matvec='reduction' is for batch 1 (it reads each matrix once per row); this "
+                             f"decoder has batch_size={self.batch_size}: use matvec='blas'")
         if mode is None and backend == "inductor":
             mode = "reduce-overhead" if on_cuda else "default"
         opts = dict(backend=backend, fullgraph=fullgraph, dynamic=False, **kwargs)
         if mode is not None:
             opts["mode"] = mode
+        self.matvec = matvec
+        self.step_model = as_reductions(self.model) if matvec == "reduction" else self.model
         self.step = torch.compile(self._step, **opts)
         self.compiled = True
         self.cuda_graphs = mode == "reduce-overhead" and on_cuda

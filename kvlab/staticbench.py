@@ -28,7 +28,7 @@ from .provenance import device_name
 
 # The four generators, and for each compiled one the eager one it replaces.
 # Chapter 8's four generators (kvlab.generators' names), each compiled one beside the eager one it replaces.
-VARIANTS = (G.TRANSFORMERS, G.TRANSFORMERS_COMPILED, G.HAND_BUILT, G.HAND_BUILT_COMPILED)
+VARIANTS = (G.TRANSFORMERS, G.TRANSFORMERS_COMPILED, G.HAND_BUILT, G.HAND_BUILT_COMPILED_BLAS, G.HAND_BUILT_COMPILED)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -78,7 +78,7 @@ def _check_tokens(runs, hf, prompt_len, new_tokens) -> None:
           f"tokens ({new_tokens} new after a prompt of {prompt_len})")
 
 
-def _rows(hf, res, first, matvec, m, prompt_len, new_tokens, dec) -> list[dict]:
+def _rows(hf, res, first, matvec, m, prompt_len, new_tokens, decoders) -> list[dict]:
     device = next(hf.parameters()).device
     n, bw, fl = new_tokens, m["bandwidth"], m["flops"]
     floor = roofline.generation_floor(hf, 1, prompt_len, n, bw, fl) / n
@@ -90,8 +90,9 @@ def _rows(hf, res, first, matvec, m, prompt_len, new_tokens, dec) -> list[dict]:
                  break_even=None, matvec_per_token=matvec, weight_s=roofline.weight_read_bytes(hf, 1) / bw,
                  static_floor=static_floor(hf, prompt_len + n, bw, fl), timing=t, bandwidth=bw,
                  achieved=roofline.achieved_bandwidth(hf, 1, prompt_len, n, t.median))
-        if name == G.HAND_BUILT_COMPILED:     # kept for step_breakdown: the profile reuses this compilation
-            r.update(decoder=dec, part_floors=part_floors(hf, 1, prompt_len + n, bw, fl))
+        if name in decoders:     # kept for step_breakdown: the profile reuses this compilation
+            r.update(decoder=decoders[name], matvec=decoders[name].matvec,
+                     part_floors=part_floors(hf, 1, prompt_len + n, bw, fl))
         if name in G.EAGER_OF:
             r["compile_s"] = compile_seconds(first[name], t.median)
             r["break_even"] = break_even_tokens(r["compile_s"], res[G.EAGER_OF[name]].median / n,
@@ -113,7 +114,7 @@ def measure(hf, prompt_len: int, new_tokens: int, threads: int | None = None, re
     torch._dynamo.reset()                  # compile from scratch: the first calls below pay for it
     g = torch.Generator().manual_seed(1)
     prompt = torch.randint(0, hf.config.vocab_size, (1, prompt_len), generator=g).to(device)
-    runs, dec = G.roster(hf, ours, prompt, new_tokens, VARIANTS)
+    runs, decoders = G.roster(hf, ours, prompt, new_tokens, VARIANTS)
     first = {name: time_first_call(runs[name], device) for name in G.COMPILED}
     _check_tokens(runs, hf, prompt_len, new_tokens)
     m = probes.machine(device, roofline.model_dtype(hf), verbose=False)
@@ -121,7 +122,7 @@ def measure(hf, prompt_len: int, new_tokens: int, threads: int | None = None, re
     res = timing.compare({**runs, "matvec": lambda: [products() for _ in range(new_tokens)]}, warmup=0,
                          repeats=repeats, progress=progress)
     matvec = res.pop("matvec").median / new_tokens
-    return _rows(hf, res, first, matvec, m, prompt_len, new_tokens, dec)
+    return _rows(hf, res, first, matvec, m, prompt_len, new_tokens, decoders)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -322,3 +323,28 @@ def break_even_tokens(compile_seconds: float, eager_per_token: float, compiled_p
     """After how many generated tokens compiling has paid for itself (``None``: it never does)."""
     gain = eager_per_token - compiled_per_token
     return compile_seconds / gain if gain > 0 else None
+
+
+def batch_rows(ours, batches, prompt_len: int, new_tokens: int, repeats: int = 3) -> list[dict]:
+    """The compiled decode at several batch sizes, one :class:`kvlab.static.StaticDecoder` (one graph)
+    per size, as engines capture one CUDA graph per batch size from a set: per size, torch's count of
+    graphs, the first call apart, then every size timed interleaved; tokens checked against eager."""
+    from . import compilecount
+
+    device = ours.ln_f.weight.device
+    torch._dynamo.reset()      # every decoder compiles StaticDecoder._step: start under torch's recompile limit
+    g = torch.Generator().manual_seed(2)
+    decs, runs, counts = {}, {}, {}
+    for b in batches:
+        prompt = torch.randint(0, ours.config.vocab_size, (b, prompt_len), generator=g).to(device)
+        decs[b] = static.StaticDecoder(ours, batch_size=b, max_len=prompt_len + new_tokens).compile()
+        runs[b] = (lambda d, p: lambda: d.generate(p, new_tokens))(decs[b], prompt)
+        with compilecount.counting() as counts[b]:
+            time_first_call(runs[b], device)
+        if not torch.equal(runs[b](), gpt2.generate(ours, prompt, new_tokens)):
+            raise RuntimeError(f"the compiled decoder at batch {b} does not give eager's tokens: not timing it")
+    res = timing.compare(runs, warmup=0, repeats=repeats, progress=False)
+    return [dict(batch=b, graphs=counts[b]["graphs"], matvec=decs[b].matvec, per_step=t.median / new_tokens,
+                 tokens_per_s=b * new_tokens / t.median, timing=t,
+                 achieved=roofline.achieved_bandwidth(ours, b, prompt_len, new_tokens, t.median))
+            for b, t in res.items()]

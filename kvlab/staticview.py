@@ -6,9 +6,25 @@ Presentation only: nothing here times or runs a model.
 from __future__ import annotations
 import torch
 from . import plots, verdicts
+from .cache import EMPTY, visible
 from . import generators as G
 from .staticbench import VARIANTS
 from .tables import show
+
+
+def print_static_mask(pos: int, T: int, max_len: int, stale_from: int) -> None:
+    """Which of ``max_len`` static slots ``T`` new queries at positions ``pos ..`` may see, by the
+    model's one rule (:func:`kvlab.cache.visible`) on the positions the slots hold: slots before
+    ``pos`` hold the prompt so far, ``pos .. pos+T-1`` the new tokens, ``stale_from ..`` a previous
+    prompt's later positions. ``x`` may attend, ``.`` hidden, ``s`` a hidden stale slot."""
+    slot_pos = torch.arange(max_len)
+    slot_pos[stale_from:] += max_len            # a previous prompt's keys sit at later positions
+    slot_pos[pos + T:stale_from] = EMPTY        # never written
+    queries = pos + torch.arange(T)
+    seen = visible(queries[None], slot_pos[None, None])[0]
+    for i, row in enumerate(seen.tolist()):
+        marks = ["x" if ok else "s" if j >= stale_from else "." for j, ok in enumerate(row)]
+        print(f"query at position {pos + i}: " + " ".join(marks))
 
 
 def print_rows(rows: list[dict]) -> None:
@@ -51,15 +67,33 @@ def fastest_sentence(rows, model) -> str:
             + verdicts.relation(c, f"'{best['generator']}'", f"'{rival['generator']}'") + ".")
 
 
+def _who(a: dict, b: dict, name_a: str, name_b: str) -> str:
+    """"<the faster one> faster in ...": the noise test's words, with the lower median named first."""
+    c = verdicts.compare_timings(a["timing"], b["timing"])
+    if c.verdict == "none":
+        return verdicts.relation(c, name_a, name_b)
+    win, lose = (name_a, name_b) if a["timing"].median <= b["timing"].median else (name_b, name_a)
+    return f"{win} " + verdicts.relation(c, win, lose)
+
+
 def compile_sentence(rows, model) -> str:
+    """Each compiled generator against the eager one it replaces, and when compiling pays off: a
+    break-even is claimed only when the noise test measured a difference (``kvlab.verdicts``)."""
     parts = []
     for name, twin in G.EAGER_OF.items():
+        if not any(r["model"] == model and r["generator"] == name for r in rows):
+            continue
         r, e = row(rows, model, name), row(rows, model, twin)
         speed = e["per_token"] / r["per_token"]
-        when = (f"pays for its {r['compile_s']:.1f} s of compilation after about "
-                f"{r['break_even']:,.0f} tokens" if r["break_even"] is not None else
-                f"never pays for its {r['compile_s']:.1f} s of compilation here (it is not faster)")
-        parts.append(f"'{name}' runs at {speed:.2f}x '{twin}' and {when}")
+        c = verdicts.compare_timings(r["timing"], e["timing"])
+        said = _who(r, e, "compiled", "eager")
+        if c.verdict == "none":
+            when = (f"{said}, so no break-even is claimed for its {r['compile_s']:.1f} s of compilation")
+        elif r["break_even"] is not None:
+            when = f"pays for its {r['compile_s']:.1f} s of compilation after about {r['break_even']:,.0f} tokens ({said})"
+        else:
+            when = f"never pays for its {r['compile_s']:.1f} s of compilation here ({said})"
+        parts.append(f"'{name}' runs at {speed:.2f}x the speed of '{twin}' and {when}")
     return f"On {model}: " + "; ".join(parts) + "."
 
 
@@ -81,21 +115,37 @@ def question_sentences(rows, tiny="kvlab-tiny", big="shape:gpt2") -> list[str]:
 
 
 def remains_sentences(rows, model) -> list[str]:
-    """What the compiled hand-built step of ``model`` spends above the floor, from the measured rows."""
-    r = row(rows, model, G.HAND_BUILT_COMPILED)
-    step, mv, rest = r["per_token"], r["matvec_per_token"], max(r["per_token"] - r["matvec_per_token"], 0)
+    """What the compiled hand-built step of ``model`` spends above the floor, from the measured rows:
+    the step with library products against those products timed alone (on a CPU; on a GPU an eager
+    loop of products would time kernel launches, so the profiler's device time below stands in), then
+    the step whose products are reductions (``kvlab.matvec``), as measured."""
+    r, auto = row(rows, model, G.HAND_BUILT_COMPILED_BLAS), row(rows, model, G.HAND_BUILT_COMPILED)
+    step, mv = r["per_token"], r["matvec_per_token"]
     slots = r["prompt_len"] + r["new_tokens"]
-    return [
-        f"{model}, {r['threads']} thread(s): compiled step {step * 1e3:.3f} ms, floor "
-        f"{r['floor_per_token'] * 1e3:.3f} ms ({r['ratio']:.2f}x)",
-        f"  matrix products alone: {mv * 1e3:.3f} ms, {mv / r['weight_s']:.2f}x the time to read the weights "
-        f"once at the read probe's bandwidth; {min(mv / step, 1):.0%} of the compiled step",
-        f"  floor if attention reads all {slots} slots of the static buffers: "
-        f"{r['static_floor'] * 1e3:.3f} ms, "
-        f"{r['static_floor'] / r['floor_per_token'] - 1:+.1%} on the floor of the filled cache",
-        f"  the rest (attention, norms, embeddings, argmax, the loop and its guards): {rest * 1e3:.3f} ms, "
-        f"{rest / step:.0%} of the step",
-    ]
+    out = [f"{model}, {r['threads']} thread(s): compiled step with library products {step * 1e3:.3f} ms, floor "
+           f"{r['floor_per_token'] * 1e3:.3f} ms ({r['ratio']:.2f}x)"]
+    if r["device"] == "cuda":
+        out.append("  matrix products alone: not split here (an eager loop of products on a GPU times its kernel "
+                   "launches, not the products inside the CUDA graph); the profiler's device time below splits it")
+    else:
+        rest = step - mv
+        out.append(f"  matrix products alone (the same library calls, one vector each): {mv * 1e3:.3f} ms, "
+                   f"{mv / r['weight_s']:.2f}x the time to read the weights once at the read probe's bandwidth; "
+                   + (f"{mv / step:.0%} of the step, the rest (attention, norms, embeddings, argmax, the loop and "
+                      f"its guards) {rest * 1e3:.3f} ms" if rest >= 0 else
+                      f"longer than the whole compiled step by {-rest * 1e3:.3f} ms (timed apart, in eager calls)"))
+    out.append(f"  floor if attention reads all {slots} slots of the static buffers (dense attention with a mask): "
+               f"{r['static_floor'] * 1e3:.3f} ms, {r['static_floor'] / r['floor_per_token'] - 1:+.1%} on the floor "
+               "of the filled cache")
+    if auto.get("matvec") == "reduction":
+        out.append(f"  the same step with its products as reductions compiled by inductor: {auto['per_token'] * 1e3:.3f} "
+                   f"ms, {r['per_token'] / auto['per_token']:.2f}x the speed of library products, {auto['ratio']:.2f}x "
+                   f"the floor, {auto['achieved'] / auto['bandwidth']:.0%} of the read probe; "
+                   + _who(auto, r, "reductions", "library products"))
+    else:
+        out.append(f"  '{G.HAND_BUILT_COMPILED}' chose library products on this device (matvec='auto'), so it is "
+                   "the step above")
+    return out
 
 
 def print_breakdown(parts: list[dict]) -> None:

@@ -53,11 +53,12 @@ WORDS = {"every round": "faster in every round", "median": "faster in the median
          "none": "no difference measured"}
 
 
-def on(device) -> str:
-    """``"on <device>"``, short: the CPU's model name and thread count, or the GPU's name."""
+def on(device, threads: int | None = None) -> str:
+    """``"on <device>"``, short: the CPU's model name and thread count (``threads``, the count the
+    measurement ran with, else torch's current one), or the GPU's name."""
     name = device_name(device)
     if torch.device(device).type == "cpu":
-        n = torch.get_num_threads()
+        n = threads or torch.get_num_threads()
         return f"on this CPU with {n} torch thread{'' if n == 1 else 's'}"
     return f"on {name}"
 

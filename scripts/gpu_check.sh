@@ -6,7 +6,9 @@
 # 1. installs from wheels/ (scripts/fetch_wheels.sh, carried with the call) what the machine lacks:
 #    transformers 5.24 and the notebook runner (nbval, nbclient, ipykernel, ...);
 # 2. runs every solution notebook through nbval on the GPU (KVLAB_DEVICE, default cuda);
-# 3. runs the report at full size: OUTDIR/report.json and OUTDIR/report.png;
+# 3. runs the report at full size: OUTDIR/report.json and OUTDIR/report.png (its sections include
+#    chapter 8's bf16 and int8 weights, the compiled decode at several batch sizes, and chapter 7's
+#    prefill floor, so the first GPU run records them);
 # 4. with the time left, runs every chapter (converted to .ipynb) through nbval in quick mode, so
 #    the chapters' CUDA paths (peak memory, memory deltas, the GPU grids) execute too.
 # Logs: OUTDIR/gpu_check.log (environment, install, summary), solutions.log, report.log,

@@ -18,7 +18,7 @@ REPO = ROOT.parent
 DOMAIN = {"gpt2", "cache", "validate", "configs", "catalogue", "paths", "memory", "flops", "quant",
           "quant_cache", "batching", "roofline", "static", "paged", "paged_cache", "ragged", "pastlen", "serving", "loading",
           "reference", "quality", "speculative", "drafts", "specbatch",
-          "gqa", "window", "latent", "designs"}
+          "gqa", "window", "latent", "designs", "forwardcheck", "weights", "matvec"}
 
 
 def modules():

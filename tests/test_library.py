@@ -165,13 +165,15 @@ def test_bench_command_checks_tokens_then_times(capsys):
     from kvlab import bench
     from kvlab import generators as G
     ratios = bench.run("kvlab-tiny", new_tokens=6, prompt_len=4, repeats=1, threads=None, naive=True)
+    formats = {bench._format_name(f, how) for f in ("bf16", "int8") for how in ("eager", "compiled")}
     assert set(ratios) == {G.TRANSFORMERS, G.CACHED_LOOP, G.HAND_BUILT, G.NAIVE,
-                           *G.COMPILED}                                           # chapter 8's rows
+                           *G.COMPILED} | formats                        # chapter 8's rows, its weight formats
     assert ratios[G.TRANSFORMERS] == 1.0
     out = capsys.readouterr().out
     assert "identical tokens" in out
     assert "first call" in out and "compilation included" in out          # compile time apart
-    assert "x floor" in out and "floor of this generation here" in out   # chapter 7's ratio, printed
+    assert "x floor" in out and "floor of the fp32 generation here" in out   # chapter 7's ratio, printed
+    assert "int8 weights" in out and "tokens equal fp32's" in out and "GB/s" in out
 
 
 def test_init_lists_every_module():

@@ -62,8 +62,9 @@ def test_tables_and_sentences():
     assert "dominates" in fv.bound_sentence(roofline.step_terms(roofline.meta_model("gpt2"), 1, 0, 1e9, 1e12))
     assert fb.knee([1, 2, 4], [1.0, 1.2, 2.0]) == 4 and fb.knee([1, 2], [1.0, 1.1]) is None
     assert "later" in fv.knee_sentence(8, 4) and "earlier" in fv.knee_sentence(2, 4)
-    assert "BELOW" in fv.llc_caveat([{"ratio": 0.5}], 32 * 2**20)
-    assert fv.llc_caveat([{"ratio": 3.0}], 32 * 2**20) == ""
+    text = fv.llc_caveat([{"ratio": 0.5}], "cpu")
+    assert "BELOW" in text and "CPU's last-level cache" in text and "L2" not in text
+    assert fv.llc_caveat([{"ratio": 3.0}], "cpu") == ""
     assert fb.shape_sizes_that_fit("cpu", quick=True) == ["gpt2"]
     assert len(fb.shape_sizes_that_fit("cuda", quick=False)) == 4
 
@@ -84,6 +85,11 @@ def test_roofline_plot_bf16_rows_and_throughput(ours):
     d = fb.dtype_rows(["gpt2"], fb.H200["bandwidth"], {torch.float32: fb.H200["fp32"], torch.bfloat16: fb.H200["bf16"]})
     assert d[1]["ridge"] / d[0]["ridge"] == pytest.approx(989 / 67)
     assert d[1]["critical"][0] > 10 * d[0]["critical"][0] / 2       # bf16: the critical batch moves far out
+    assert 2048 not in d[0]["critical"] and 512 in d[0]["critical"]  # GPT-2's context is 1,024
+    assert fv.critical_cell(d[0]["critical"], 2048) == "-"
+    assert "moves it out" in fv.bf16_sentence(d, "H200")
+    slow = fb.dtype_rows(["gpt2"], 20e9, {torch.float32: 100e9, torch.bfloat16: 50e9})   # a CPU without bf16 units
+    assert "moves it in" in fv.bf16_sentence(slow, "a CPU")
 
 
 def test_compile_counts_come_from_torch():

@@ -100,7 +100,29 @@ def test_compiled_step_is_one_graph(ours, tiny):
 def inductor_dec(ours):
     """One inductor compilation for the module's tests (compiling takes seconds)."""
     torch._dynamo.reset()
-    return StaticDecoder(ours, batch_size=1, max_len=32).compile()
+    return StaticDecoder(ours, batch_size=1, max_len=32).compile(matvec="blas")   # products the profiler can name
+
+
+def test_reduction_products_same_tokens_same_weights(ours, tiny):
+    """matvec="auto" on a CPU at batch 1 compiles the products as reductions (kvlab.matvec): the same
+    tokens as eager, on the very same Parameters (nothing copied); refused where it would be wrong."""
+    from kvlab import matvec
+
+    ids = tiny[1]("The LORD is my shepherd", return_tensors="pt").input_ids
+    dec = StaticDecoder(ours, max_len=40).compile()
+    assert dec.matvec == "reduction"
+    assert torch.equal(dec.generate(ids, 24), generate(ours, ids, 24))
+    assert all(a is b for a, b in zip(dec.step_model.parameters(), ours.parameters()))
+    assert isinstance(dec.step_model.h[0].mlp.c_fc, matvec.ReductionLinear)
+    assert isinstance(ours.h[0].mlp.c_fc, torch.nn.Linear)                    # the model itself unchanged
+    x = torch.randn(1, 1, ours.config.n_embd)
+    lin = ours.h[0].attn.c_attn
+    assert torch.allclose(matvec.ReductionLinear(lin)(x), lin(x), atol=1e-5)
+    assert StaticDecoder(ours, batch_size=2, max_len=8).compile(backend="eager").matvec == "blas"
+    with pytest.raises(ValueError, match="batch 1"):
+        StaticDecoder(ours, batch_size=2, max_len=8).compile(matvec="reduction")
+    with pytest.raises(ValueError, match="'auto', 'blas' or 'reduction'"):
+        StaticDecoder(ours, max_len=8).compile(matvec="fast")
 
 
 def test_compiled_inductor_same_tokens(ours, tiny, inductor_dec):
