@@ -181,3 +181,23 @@ def test_one_compiled_graph_per_batch_size(tiny):
     assert [r["batch"] for r in rows] == [1, 2] and all(r["graphs"] == 1 for r in rows)
     assert [r["matvec"] for r in rows] == ["reduction", "blas"]
     assert all(r["tokens_per_s"] > 0 and r["achieved"] > 0 for r in rows)
+
+
+def test_format_sentences_follow_the_measured_ratio():
+    """The sentence leads with the measured speed, names the faster side only when the noise test
+    measured a difference, and uses the thread count the run had."""
+    from kvlab import weightview
+    from kvlab.timing import Timing
+
+    def row(fmt, samples, floor):
+        t = Timing(fmt, samples)
+        return dict(model="m", weights=fmt, generator="eager", per_token=t.median, floor_per_token=floor,
+                    x_floor=t.median / floor, of_probe=0.5, timing=t, device="cpu", threads=1)
+    rows = [row("fp32", [2.0, 2.1, 1.9], 1.0), row("int8", [1.0, 1.05, 0.95], 0.25),
+            row("bf16", [2.05, 2.0, 2.1], 0.5), row("slow", [4.0, 4.1, 3.9], 0.5)]
+    text = weightview.format_sentences(rows)
+    int8, bf16, slow = text
+    assert "int8 weights run at 2.00x the speed of fp32 (their floor is 4.00x lower)" in int8
+    assert "int8 faster in every one of the 3 rounds" in int8 and "1 torch thread" in int8
+    assert "no difference measured" in bf16 and "faster" not in bf16.split(";")[-1]
+    assert "0.50x the speed of fp32" in slow and "fp32 faster in every one" in slow
