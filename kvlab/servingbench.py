@@ -280,7 +280,7 @@ def chunk_sweep(model, budgets, decoders: int = 4, decode_len: int = 24, long_pr
 
 def _rounds(repeats: int, time_budget: Budget | None):
     """Round numbers ``0 .. repeats - 1``, cut short by ``time_budget`` (a :class:`kvlab.timing.Budget`)."""
-    return range(repeats) if time_budget is None else time_budget.points(range(repeats), size=lambda _: 1.0)
+    return range(repeats) if time_budget is None else time_budget.rounds(repeats)
 
 
 def interleaved_runs(model, workload, policies: dict, repeats: int = 1, arrivals=None, progress: bool = True,

@@ -41,3 +41,34 @@ def test_a_budget_that_is_no_budget_is_refused(monkeypatch, seconds, scale):
     monkeypatch.setenv("KVLAB_BUDGET_SCALE", scale)
     with pytest.raises(ValueError, match="time budget must be > 0"):
         timing.Budget(seconds)
+
+
+def test_rounds_are_counted_from_one_in_the_note():
+    budget = timing.Budget(0.05, "a repeated timing", keep=2)
+    ran = [r for r in budget.rounds(6) if time.sleep(0.04) is None]
+    assert ran == [0, 1] and budget.skipped == [2, 3, 4, 5]
+    assert "after 2 of 6 rounds" in budget.note and "not measured: rounds 3 to 6" in budget.note
+
+
+def test_compare_with_a_tiny_budget_keeps_its_first_rounds_for_every_variant(capsys):
+    """An interleaved comparison cut by its budget: every variant has the same (first) rounds, each
+    sample is a real timing of that variant, and the note says how many rounds were left out."""
+    budget = timing.Budget(1e-6, "the comparison's rounds", keep=2)
+    t = timing.compare({"slow": lambda: time.sleep(0.02), "fast": lambda: None}, warmup=0, repeats=5,
+                       progress=False, budget=budget)
+    assert [len(x.samples) for x in t.values()] == [2, 2]
+    assert min(t["slow"].samples) >= 0.02 > max(t["fast"].samples)      # the ranking still stands
+    budget.report()
+    out = capsys.readouterr().out
+    assert "the comparison's rounds" in out and "2 of 5 rounds" in out and "rounds 3 to 5" in out
+
+
+def test_compare_with_a_roomy_budget_runs_every_round():
+    budget = timing.Budget(60, "roomy rounds")
+    t = timing.compare({"a": lambda: None}, warmup=0, repeats=4, progress=False, budget=budget)
+    assert len(t["a"].samples) == 4 and budget.note == ""
+
+
+def test_the_budget_scale_shrinks_every_budget(monkeypatch):
+    monkeypatch.setenv("KVLAB_BUDGET_SCALE", "0.1")
+    assert timing.Budget(50).seconds == pytest.approx(5)
