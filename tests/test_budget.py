@@ -72,3 +72,98 @@ def test_compare_with_a_roomy_budget_runs_every_round():
 def test_the_budget_scale_shrinks_every_budget(monkeypatch):
     monkeypatch.setenv("KVLAB_BUDGET_SCALE", "0.1")
     assert timing.Budget(50).seconds == pytest.approx(5)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The chapters' sweeps, with a budget too small for more than their first points
+
+
+def tiny_budget(what="a sweep", keep=2):
+    """A budget spent before anything starts: only the ``keep`` points it always measures run."""
+    return timing.Budget(1e-9, what, keep=keep)
+
+
+@pytest.mark.parametrize("n", range(8))
+def test_spread_first_puts_both_ends_first_and_keeps_every_point(n):
+    from kvlab.shrinkbench import spread_first
+
+    grid = list(range(10, 10 + n))
+    order = spread_first(grid)
+    assert sorted(order) == grid
+    if n >= 2:
+        assert order[:2] == [grid[0], grid[-1]]
+
+
+@pytest.fixture(scope="module")
+def shrink_text(tiny):
+    from kvlab import shrinkbench as sb
+
+    calib, train, ev = sb.split_text(tiny[1])
+    return calib, train, ev
+
+
+def test_the_window_grid_keeps_its_ends_with_both_sink_counts_and_the_same_numbers(ours, shrink_text):
+    from kvlab import shrinkbench as sb
+
+    _, _, ev = shrink_text
+    ref = sb.quality(ours, ev, max_windows=1)
+    budget = tiny_budget("the window grid")
+    rows = sb.window_rows(ours, ev, ref, [8, 16, 32, 64], sinks=(0, 4), max_windows=1, budget=budget)
+    assert budget.done == [8, 64] and sorted(budget.skipped) == [16, 32]
+    assert [(r["sinks"], r["window"]) for r in rows] == [(0, 8), (0, 64), (4, 8), (4, 64)]
+    assert rows == sb.window_rows(ours, ev, ref, [8, 64], sinks=(0, 4), max_windows=1)   # unbudgeted: same rows
+    assert "the window grid" in budget.note and "[16, 32]" in budget.note
+
+
+def test_the_latent_ranks_keep_the_smallest_and_the_lossless_one(ours, shrink_text):
+    from kvlab import shrinkbench as sb
+
+    calib, _, ev = shrink_text
+    ref = sb.quality(ours, ev, max_windows=1)
+    n = ours.config.n_embd
+    budget = tiny_budget("the latent ranks")
+    rows = sb.latent_rows(ours, calib, ev, ref, [n // 8, n // 4, n // 2, n], max_windows=1, budget=budget)
+    assert sorted({r["rank"] for r in rows}) == [n // 8, n] and sorted(budget.skipped) == [n // 4, n // 2]
+    lossless = [r for r in rows if r["rank"] == n]
+    assert lossless and all(abs(r["ppl change"]) < 1e-4 for r in lossless)   # exact at r = n_embd, cut or not
+
+
+def test_a_cut_uptraining_trains_every_row_as_many_steps_as_the_control(ours, shrink_text):
+    from kvlab import shrinkbench as sb
+
+    calib, train, ev = shrink_text
+    ref = sb.quality(ours, ev, max_windows=1)
+    budget = tiny_budget("the control's uptraining steps", keep=1)
+    rows = sb.uptrain_rows(ours, calib, train, ev, ref, n_kv=1, steps=5, max_windows=1, budget=budget)
+    assert [r["steps"] for r in rows] == [1] * len(rows) and budget.skipped == [1, 2, 3, 4]
+    assert "rounds 2 to 5" in budget.note
+
+
+def test_the_serving_timings_keep_their_first_rounds_for_every_variant(ours):
+    from kvlab.servingbench import block_size_timings, mixed_step_timings
+    from kvlab.servingcost import ragged_vs_contiguous
+
+    budget = tiny_budget("the ragged-vs-contiguous rounds", keep=3)
+    vs = ragged_vs_contiguous(ours, 2, 16, repeats=6, budget=budget)
+    assert [len(t.samples) for t in vs.values()] == [3, 3, 3] and "3 of 6 rounds" in budget.note
+    budget = tiny_budget("the mixed-step rounds")
+    mix = mixed_step_timings(ours, 2, 16, 8, repeats=4, budget=budget)
+    assert {len(t.samples) for t in mix.values()} == {2} and "rounds 3 to 4" in budget.note
+    budget = tiny_budget("the block-size rounds")
+    step = block_size_timings(ours, {"block 4": (4, None), "block 16": (16, None)}, rows=2, context=16, repeats=5,
+                              budget=budget)
+    assert {len(t.samples) for t in step.values()} == {2} and all(min(t.samples) > 0 for t in step.values())
+
+
+def test_the_decode_times_of_chapter_11_keep_their_first_rounds(ours):
+    from kvlab import shrinkbench as sb
+
+    budget = tiny_budget("the decode-step rounds", keep=3)
+    t = sb.decode_times({"original": ours, "MQA": gqa_model(ours)}, 32, batch=1, repeats=7, budget=budget)
+    assert {len(x.samples) for x in t.values()} == {3} and "rounds 4 to 7" in budget.note
+
+
+def gqa_model(ours):
+    from kvlab import gqa
+
+    return gqa.convert(ours, 1, "mean")
