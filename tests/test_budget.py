@@ -3,6 +3,7 @@
 import time
 
 import pytest
+import torch
 
 from kvlab import timing
 
@@ -167,3 +168,63 @@ def gqa_model(ours):
     from kvlab import gqa
 
     return gqa.convert(ours, 1, "mean")
+
+
+@pytest.fixture(scope="module")
+def spec_pair(tiny, ours):
+    from kvlab import specbench
+
+    hf, tok = tiny
+    return specbench.bundled_pair("cpu", hf, tok, ours)
+
+
+def test_the_acceptance_counts_stop_adding_prompts_and_count_the_first_ones_alike(spec_pair):
+    from kvlab import specbench
+
+    prompts = specbench.heldout_prompts(spec_pair["tok"], 3, 16)
+    drafts = {n: spec_pair["drafts"][n] for n in ("prompt lookup", "kvlab-nano")}
+    budget = tiny_budget("the acceptance counts' prompts", keep=1)
+    cut = specbench.acceptance(spec_pair["target"], drafts, prompts, [1, 3], 8, budget=budget)
+    assert budget.done == [0] and budget.skipped == [1, 2] and "[1, 2]" in budget.note
+    assert cut == specbench.acceptance(spec_pair["target"], drafts, prompts[:1], [1, 3], 8)   # the same counts
+    assert list(cut) == [(n, k) for n in drafts for k in (1, 3)] and all(r["same"] for r in cut.values())
+
+
+def test_the_sampling_check_cut_is_the_same_first_trials(spec_pair):
+    from kvlab import specbench
+
+    p = torch.tensor([0.40, 0.25, 0.15, 0.10, 0.06, 0.04], dtype=torch.float64)
+    q = torch.tensor([0.05, 0.10, 0.15, 0.20, 0.20, 0.30], dtype=torch.float64)
+    budget = tiny_budget("the sampling check's rounds")
+    cut = specbench.sampling_check(p, q, 5000, seed=0, budget=budget)
+    whole = specbench.sampling_check(p, q, 2000, seed=0)
+    assert cut["trials"] == 2000 and torch.equal(cut["observed"], whole["observed"]) and cut["chi2"] == whole["chi2"]
+    assert cut["passed"] and "rounds 3 to 5" in budget.note
+
+
+def test_the_equality_check_keeps_its_first_prompt(spec_pair):
+    from kvlab import specbench
+
+    prompts = specbench.heldout_prompts(spec_pair["tok"], 2, 12)
+    pair = dict(spec_pair, drafts={"prompt lookup": spec_pair["drafts"]["prompt lookup"]})
+    budget = tiny_budget("the equality check's prompts", keep=1)
+    rows = specbench.equality_rows(pair, prompts, 6, budget=budget)
+    assert len(rows) == 4 and all(r["same tokens"] for r in rows) and budget.skipped == [prompts[1]]
+
+
+def test_the_quality_scoring_rounds_keep_the_first_windows_with_the_same_numbers(ours, tiny):
+    from kvlab import quant_cache, quantbench
+
+    ids = tiny[1]("And God said, Let there be light: and there was light. " * 6, return_tensors="pt").input_ids
+    windows = torch.stack([ids[0, i:i + 24] for i in (0, 5, 10, 15)])
+    fwd = lambda x, cache: ours(x, cache)                                   # noqa: E731
+    variants = {"fp32": (fwd, lambda B: ours.new_cache(B, 24)),
+                "8-bit": (fwd, lambda B: quant_cache.QuantizedKVCache.for_model(ours.config, B, 24, bits=8, block=8))}
+    budget = tiny_budget("the scoring rounds", keep=1)
+    cut = quantbench.score_in_rounds(variants, windows, 16, 2, budget)
+    assert cut["windows"] == 2 and cut["rows"] == 2 and "2 of 2 rounds" not in budget.note and "round 2" in budget.note
+    for name, (f, make) in variants.items():
+        alone = quantbench.score_through_cache(f, make(2), windows[:2], 16)    # the first round as one batch
+        assert torch.allclose(cut["logprobs"][name], alone, atol=1e-5)
+    whole = quantbench.score_in_rounds(variants, windows, 16, 2)
+    assert whole["windows"] == 4 and torch.allclose(whole["logprobs"]["fp32"][:2], cut["logprobs"]["fp32"])
