@@ -181,7 +181,7 @@ class Budget:
             if self.unit == "rounds" else str(self.skipped)
         return (f"{self.what}: its time budget of {self.seconds:.3g} s was spent after {len(self.done)} of {n} "
                 f"{self.unit} ({self.elapsed:.3g} s on this machine, as loaded as it was); "
-                f"not measured: {left}. A faster or quieter machine measures them.")
+                f"not measured: {left}. A faster or quieter machine measures {'them' if len(self.skipped) > 1 else 'it'}.")
 
     def report(self) -> None:
         if self.note:
