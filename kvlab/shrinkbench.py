@@ -137,7 +137,7 @@ def uptrain(model, train_ids: torch.Tensor, steps: int, teacher=None, batch: int
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
     model.train()
     losses = []
-    for _ in bar(range(steps) if budget is None else budget.rounds(steps), desc="uptraining", leave=False):
+    for _ in bar(range(steps) if budget is None else budget.rounds(steps, "steps"), desc="uptraining", leave=False):
         starts = torch.randint(0, train_ids.numel() - seq - 1, (batch,), generator=g)
         x = torch.stack([train_ids[s:s + seq + 1] for s in starts.tolist()])
         logits = model(x[:, :-1])

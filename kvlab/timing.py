@@ -166,10 +166,11 @@ class Budget:
             self.done.append(p)
         self.elapsed = time.perf_counter() - start
 
-    def rounds(self, n: int):
+    def rounds(self, n: int, unit: str = "rounds"):
         """Rounds ``0 .. n - 1`` of a repeated measurement, each judged as long as the one before: the
-        first ``keep`` always run, the rest while the budget lasts (the note counts rounds, from 1)."""
-        return self.points(range(validate.check_int(n, "rounds", 0)), size=lambda _: 1.0, _unit="rounds")
+        first ``keep`` always run, the rest while the budget lasts (the note counts them from 1, as
+        ``unit``: "rounds", "steps", ...)."""
+        return self.points(range(validate.check_int(n, unit, 0)), size=lambda _: 1.0, _unit=unit)
 
     @property
     def note(self) -> str:
@@ -177,8 +178,8 @@ class Budget:
         if not self.skipped:
             return ""
         n = len(self.done) + len(self.skipped)
-        left = (f"rounds {len(self.done) + 1} to {n}" if len(self.skipped) > 1 else f"round {n}") \
-            if self.unit == "rounds" else str(self.skipped)
+        left = (f"{self.unit} {len(self.done) + 1} to {n}" if len(self.skipped) > 1 else f"{self.unit.removesuffix('s')} {n}") \
+            if self.unit != "points" else str(self.skipped)
         return (f"{self.what}: its time budget of {self.seconds:.3g} s was spent after {len(self.done)} of {n} "
                 f"{self.unit} ({self.elapsed:.3g} s on this machine, as loaded as it was); "
                 f"not measured: {left}. A faster or quieter machine measures {'them' if len(self.skipped) > 1 else 'it'}.")
