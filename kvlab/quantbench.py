@@ -58,3 +58,25 @@ def agreement(ref_logprobs: torch.Tensor, logprobs: torch.Tensor, targets: torch
     agree = (logprobs.argmax(-1) == ref_logprobs.argmax(-1)).float().mean().item()
     return {"ppl_ref": math.exp(nll_ref), "ppl": math.exp(nll), "ppl_change": math.exp(nll - nll_ref) - 1,
             "kl": max(kl, 0.0), "agree": agree}
+
+
+@torch.no_grad()
+def score_in_rounds(variants: dict, windows: torch.Tensor, prefill: int, per_round: int, budget=None) -> dict:
+    """:func:`score_through_cache` for every variant (``name -> (forward, make_cache(rows))``), a round
+    of ``per_round`` windows at a time: every variant scores a round's windows (one batch, a fresh
+    cache) before the next round starts, so a ``budget`` (:class:`kvlab.timing.Budget`) that stops
+    early leaves every variant scored on the same first windows.
+
+    Returns ``{"logprobs": {name: [W, S, vocab]}, "caches": {name: the last round's cache},
+    "rows": that round's windows, "windows": W}`` with ``W`` the windows scored."""
+    rounds = -(-windows.shape[0] // per_round)
+    out = {name: [] for name in variants}
+    caches, rows = {}, 0
+    for r in (range(rounds) if budget is None else budget.rounds(rounds)):
+        chunk = windows[r * per_round:(r + 1) * per_round]
+        rows = chunk.shape[0]
+        for name, (forward, make_cache) in variants.items():
+            caches[name] = make_cache(rows)
+            out[name].append(score_through_cache(forward, caches[name], chunk, prefill))
+    lps = {name: torch.cat(parts) for name, parts in out.items()}
+    return {"logprobs": lps, "caches": caches, "rows": rows, "windows": next(iter(lps.values())).shape[0]}

@@ -184,17 +184,19 @@ def prepared_steps(model, rows: int, context: int, prompt_len: int, block_size: 
     return runner, decode, [(p, prompt_len)]
 
 
-def mixed_step_timings(model, rows: int, context: int, prompt_len: int, repeats: int = 5) -> dict:
+def mixed_step_timings(model, rows: int, context: int, prompt_len: int, repeats: int = 5,
+                       budget: Budget | None = None) -> dict:
     """Interleaved timings of: the decode step of ``rows`` sequences alone, a ``prompt_len``-token
     prefill alone, both in ONE ragged step, and a padded step (``rows + 1`` rows x ``prompt_len``
-    tokens through the same model, no cache: what padding every row to the prompt computes at least)."""
+    tokens through the same model, no cache: what padding every row to the prompt computes at least).
+    ``budget`` (a :class:`kvlab.timing.Budget`) may cut the rounds; its note says how many."""
 
     runner, decode, prefill = prepared_steps(model, rows, context, prompt_len)
     padded = torch.randint(1, model.config.vocab_size, (rows + 1, prompt_len), device=runner.device)
     fns = {"decode rows alone": lambda: runner.run(decode), "prefill alone": lambda: runner.run(prefill),
            "one ragged step (both)": lambda: runner.run(decode + prefill),
            "padded to the prompt": lambda: torch.no_grad()(model)(padded)}
-    return compare(fns, warmup=1, repeats=repeats, progress=False)
+    return compare(fns, warmup=1, repeats=repeats, progress=False, budget=budget)
 
 
 def mixed_vs_parts(mix: dict) -> dict:
@@ -215,15 +217,17 @@ def mixed_floors(model, rows: int, context: int, prompt_len: int, bandwidth: flo
     return dict(decode=dec, prefill=pre, merged=both)
 
 
-def block_size_timings(model, variants: dict, rows: int, context: int, repeats: int = 5) -> dict:
+def block_size_timings(model, variants: dict, rows: int, context: int, repeats: int = 5,
+                       budget: Budget | None = None) -> dict:
     """Median seconds of one decode step of ``rows`` sequences holding ``context`` tokens each, per
-    variant ``name -> (block_size, gather)`` (``gather=None``: one indexing op for the whole step)."""
+    variant ``name -> (block_size, gather)`` (``gather=None``: one indexing op for the whole step);
+    ``budget`` may cut the rounds."""
 
     fns = {}
     for name, (bs, gather) in variants.items():
         runner, decode, _ = prepared_steps(model, rows, context, 1, bs, gather)
         fns[name] = lambda runner=runner, decode=decode: runner.run(decode)
-    return compare(fns, warmup=1, repeats=repeats, progress=False)
+    return compare(fns, warmup=1, repeats=repeats, progress=False, budget=budget)
 
 
 def reserved_vs_used(lengths: list[int], max_len: int, batch_size: int, block_sizes) -> list[dict]:
@@ -280,7 +284,7 @@ def chunk_sweep(model, budgets, decoders: int = 4, decode_len: int = 24, long_pr
 
 def _rounds(repeats: int, time_budget: Budget | None):
     """Round numbers ``0 .. repeats - 1``, cut short by ``time_budget`` (a :class:`kvlab.timing.Budget`)."""
-    return range(repeats) if time_budget is None else time_budget.points(range(repeats), size=lambda _: 1.0)
+    return range(repeats) if time_budget is None else time_budget.rounds(repeats)
 
 
 def interleaved_runs(model, workload, policies: dict, repeats: int = 1, arrivals=None, progress: bool = True,

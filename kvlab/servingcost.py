@@ -18,12 +18,13 @@ from .servingbench import prepared_steps
 from .timing import Budget, compare
 
 
-def ragged_vs_contiguous(model, rows: int, context: int, repeats: int = 5) -> dict:
+def ragged_vs_contiguous(model, rows: int, context: int, repeats: int = 5, budget: Budget | None = None) -> dict:
     """Interleaved timings of one decode step of ``rows`` sequences holding ``context`` tokens each
     (equal lengths): the engine's ragged step on the paged pool, chapter 3's batched step on a
     contiguous :class:`~kvlab.cache.PreallocatedCache` (rewound after each run, so every run is the
     same step), and the ragged step's gather alone (every layer's keys and values copied out of the
-    blocks, as the step copies them): the part of the ragged step the contiguous one does not do."""
+    blocks, as the step copies them): the part of the ragged step the contiguous one does not do.
+    ``budget`` (a :class:`kvlab.timing.Budget`) may cut the rounds; its note says how many."""
     runner, decode, _ = prepared_steps(model, rows, context, 1)
     cache = model.new_cache(rows, context + 1)
     ids = torch.randint(1, model.config.vocab_size, (rows, context + 1), device=runner.device)
@@ -44,7 +45,7 @@ def ragged_vs_contiguous(model, rows: int, context: int, repeats: int = 5) -> di
 
     fns = {"ragged step (paged)": lambda: runner.run(decode), "contiguous step (chapter 3)": contiguous,
            "the gather alone": gather}
-    return compare(fns, warmup=2, repeats=repeats, progress=False)
+    return compare(fns, warmup=2, repeats=repeats, progress=False, budget=budget)
 
 
 def gather_bytes(model, rows: int, context: int, block_size: int = 16) -> int:

@@ -28,7 +28,7 @@ from . import designs
 from .paths import TINY_DIR
 from .quality import window_loss
 from .progress import bar
-from .timing import compare
+from .timing import Budget, compare
 
 #: Share of the held-out token stream used for calibration and uptraining; the rest is evaluated.
 CALIBRATION_SHARE = 0.35
@@ -126,17 +126,18 @@ def uniform_mass(length: int, first: int = 4, skip: int = 32) -> float:
 
 
 def uptrain(model, train_ids: torch.Tensor, steps: int, teacher=None, batch: int = 4, seq: int = 256,
-            lr: float = 1e-4, seed: int = 0) -> list[float]:
+            lr: float = 1e-4, seed: int = 0, budget: Budget | None = None) -> list[float]:
     """Train ``model`` in place for ``steps`` steps of ``batch`` random ``seq``-token crops of ``train_ids``
     (AdamW, constant ``lr``, clip 1.0); returns the losses. Without a ``teacher``: the language-model
     loss, as the GQA paper continues pre-training. With one (the original model): the KL divergence
     from the teacher's next-token distributions, which restores the original rather than fitting the
-    training text (a few thousand tokens here, where the paper has 5% of pre-training)."""
+    training text (a few thousand tokens here, where the paper has 5% of pre-training). A ``budget``
+    (:class:`kvlab.timing.Budget`) may stop it before ``steps``: ``len(losses)`` steps were taken."""
     g = torch.Generator().manual_seed(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
     model.train()
     losses = []
-    for _ in bar(range(steps), desc="uptraining", leave=False):
+    for _ in bar(range(steps) if budget is None else budget.rounds(steps, "steps"), desc="uptraining", leave=False):
         starts = torch.randint(0, train_ids.numel() - seq - 1, (batch,), generator=g)
         x = torch.stack([train_ids[s:s + seq + 1] for s in starts.tolist()])
         logits = model(x[:, :-1])
@@ -178,11 +179,13 @@ def decode_step_fn(model, context: int, batch: int = 1, cache=None):
     return step
 
 
-def decode_times(models: dict, context: int, batch: int = 1, repeats: int = 5, caches: dict | None = None) -> dict:
-    """``{name: Timing}`` of one decode step of each model at ``context`` tokens, interleaved in one run."""
+def decode_times(models: dict, context: int, batch: int = 1, repeats: int = 5, caches: dict | None = None,
+                 budget: Budget | None = None) -> dict:
+    """``{name: Timing}`` of one decode step of each model at ``context`` tokens, interleaved in one run
+    (fewer than ``repeats`` rounds once ``budget`` is spent)."""
     caches = caches or {}
     fns = {name: decode_step_fn(m, context, batch, caches.get(name)) for name, m in models.items()}
-    return compare(fns, warmup=2, repeats=repeats)
+    return compare(fns, warmup=2, repeats=repeats, budget=budget)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -259,13 +262,37 @@ def _row(q: dict, ref: dict, **fields) -> dict:
     return {**fields, "ppl": q["ppl"], "ppl change": q["ppl"] / ref["ppl"] - 1, "top-1 agree": q["agree"]}
 
 
-def gqa_rows(model, calibration, eval_ids, ref, max_windows=None) -> list[dict]:
-    """Every group count below ``n_head`` x every conversion: quality and cache bytes per token."""
+def spread_first(grid) -> list:
+    """``grid`` (sorted) reordered so that every prefix spans it: both ends first, then the middle of
+    the widest gap left, and so on. A budget that stops a sweep early then leaves out points between
+    measured ones, not one end of the range."""
+    grid = list(grid)
+    if len(grid) <= 2:
+        return grid
+    order, gaps = [0, len(grid) - 1], [(0, len(grid) - 1)]
+    while gaps:
+        lo, hi = max(gaps, key=lambda g: (g[1] - g[0], -g[0]))
+        gaps.remove((lo, hi))
+        if hi - lo > 1:
+            mid = (lo + hi) // 2
+            order.append(mid)
+            gaps += [(lo, mid), (mid, hi)]
+    return [grid[i] for i in order]
+
+
+def _grid(points, budget: Budget | None, size=lambda _: 1.0):
+    """``points`` in order, cut by ``budget`` when one is given (its note names what it left out)."""
+    return points if budget is None else budget.points(points, size=size)
+
+
+def gqa_rows(model, calibration, eval_ids, ref, max_windows=None, budget: Budget | None = None) -> list[dict]:
+    """Every group count below ``n_head`` (fewest heads first, so multi-query is always measured; a
+    ``budget`` may leave the largest counts out) x every conversion: quality and cache bytes per token."""
     from . import gqa
 
     rows = []
-    counts = [g for g in gqa.group_counts(model.config.n_head) if g < model.config.n_head]
-    for n_kv in bar(counts, desc="group counts", leave=False):
+    counts = sorted(g for g in gqa.group_counts(model.config.n_head) if g < model.config.n_head)
+    for n_kv in bar(_grid(counts, budget), desc="group counts", leave=False):
         for method in gqa.METHODS:
             conv = gqa.convert(model, n_kv, method, calibration)
             q = quality(conv, eval_ids, ref["top1"], max_windows=max_windows)
@@ -274,47 +301,56 @@ def gqa_rows(model, calibration, eval_ids, ref, max_windows=None) -> list[dict]:
     return rows
 
 
-def window_rows(model, eval_ids, ref, windows, sinks=(0, 4), max_windows=None) -> list[dict]:
+def window_rows(model, eval_ids, ref, windows, sinks=(0, 4), max_windows=None, budget: Budget | None = None) -> list[dict]:
     """Perplexity of the whole held-out text through a :class:`kvlab.window.SinkWindowKVCache` per
-    (window, sinks): every query sees its sinks and its window only."""
+    (window, sinks): every query sees its sinks and its window only. The smallest and largest window
+    first, then the middle ones (:func:`spread_first`), each with every sink count, so a ``budget``
+    that leaves windows out still leaves the range and its pairs to compare; rows sorted by sinks,
+    then window."""
     from .window import SinkWindowKVCache
 
     rows = []
     ctx = model.config.n_positions
-    for s in sinks:
-        for w in bar([w for w in windows if w + s <= ctx], desc=f"windows, {s} sinks", leave=False):
-            q = quality(model, eval_ids, ref["top1"], lambda B: SinkWindowKVCache.for_model(model, w, s), max_windows)
-            rows.append(_row(q, ref, window=w, sinks=s, **{"keys held": s + w - 1}))
-    return rows
+    for w in bar(_grid(spread_first(sorted(windows)), budget), desc="windows", leave=False):
+        for s in sinks:
+            if w + s <= ctx:
+                q = quality(model, eval_ids, ref["top1"], lambda B: SinkWindowKVCache.for_model(model, w, s), max_windows)
+                rows.append(_row(q, ref, window=w, sinks=s, **{"keys held": s + w - 1}))
+    return sorted(rows, key=lambda r: (r["sinks"], r["window"]))
 
 
-def latent_rows(model, calibration, eval_ids, ref, ranks, max_windows=None) -> list[dict]:
+def latent_rows(model, calibration, eval_ids, ref, ranks, max_windows=None, budget: Budget | None = None) -> list[dict]:
     """Quality and bytes per token of the latent cache for each rank, by SVD of the weights and by PCA
-    of the calibration text's keys and values."""
+    of the calibration text's keys and values. The smallest and the largest rank (the lossless
+    ``n_embd`` when asked for) first, then the middle ones (:func:`spread_first`): a ``budget`` leaves
+    middle ranks out. Rows sorted by rank."""
     from . import latent
 
     rows, full = [], model.new_cache(1, 64).nbytes / 64
-    for r in bar(ranks, desc="latent ranks", leave=False):
+    for r in bar(_grid(spread_first(sorted(ranks)), budget), desc="latent ranks", leave=False):
         for method in latent.METHODS:
             conv = latent.convert(model, r, method, calibration)
             q = quality(conv, eval_ids, ref["top1"], max_windows=max_windows)
             b = conv.new_cache(1, 64).nbytes / 64
             rows.append(_row(q, ref, rank=r, method=method, **{"bytes/token": b, "of MHA bytes": b / full}))
-    return rows
+    return sorted(rows, key=lambda row: row["rank"])
 
 
-def uptrain_rows(model, calibration, train_ids, eval_ids, ref, n_kv: int, steps: int, max_windows=None) -> list[dict]:
+def uptrain_rows(model, calibration, train_ids, eval_ids, ref, n_kv: int, steps: int, max_windows=None,
+                 budget: Budget | None = None) -> list[dict]:
     """Each conversion to ``n_kv`` heads uptrained ``steps`` steps by distillation from the original on
     the training split: perplexity before and after, and the share of the conversion's perplexity gap
     to the original closed. The control: the original itself trained as many steps with the
-    language-model loss on the same split (what the text alone does to it)."""
+    language-model loss on the same split (what the text alone does to it). It trains first, under
+    ``budget`` when one is given: if the budget stops it early, every conversion trains the same
+    number of steps it took (each row's ``steps`` says how many)."""
     import copy
 
     from . import gqa
 
     control = copy.deepcopy(model)
-    uptrain(control, train_ids, steps)
-    rows = [{"model": "original, language-model loss (control)", "before": ref["ppl"],
+    steps = len(uptrain(control, train_ids, steps, budget=budget))
+    rows = [{"model": "original, language-model loss (control)", "steps": steps, "before": ref["ppl"],
              "after": quality(control, eval_ids, ref["top1"], max_windows=max_windows)["ppl"], "gap closed": float("nan")}]
     for method in gqa.METHODS:
         conv = gqa.convert(model, n_kv, method, calibration)
@@ -322,7 +358,7 @@ def uptrain_rows(model, calibration, train_ids, eval_ids, ref, n_kv: int, steps:
         uptrain(conv, train_ids, steps, teacher=model)
         q = quality(conv, eval_ids, ref["top1"], max_windows=max_windows)
         gap = before - ref["ppl"]
-        rows.append({"model": f"{n_kv} kv heads, {method}, distilled", "before": before, "after": q["ppl"],
+        rows.append({"model": f"{n_kv} kv heads, {method}, distilled", "steps": steps, "before": before, "after": q["ppl"],
                      "top-1 agree after": q["agree"],
                      "gap closed": 1 - (q["ppl"] - ref["ppl"]) / gap if gap > 0.01 * ref["ppl"] else float("nan")})
     return rows

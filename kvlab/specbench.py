@@ -122,23 +122,26 @@ def heldout_prompts(tok, n: int, length: int) -> list[torch.Tensor]:
 # Counting and timing
 
 
-def acceptance(target, drafts: dict, prompts, ks, new_tokens: int) -> dict:
-    """``{(draft, k): {alpha, tokens_per_step, same}}`` over every prompt (pooled counts); ``same`` is
-    whether every run gave plain greedy's tokens, and ``first_diff`` where one did not."""
-    refs = [greedy_reference(target, p, new_tokens) for p in prompts]
+def acceptance(target, drafts: dict, prompts, ks, new_tokens: int, budget: timing.Budget | None = None) -> dict:
+    """``{(draft, k): {alpha, tokens_per_step, same}}`` over the prompts (pooled counts); ``same`` is
+    whether every run gave plain greedy's tokens, and ``first_diff`` where one did not. One prompt at
+    a time, every (draft, k) on it: a ``budget`` (:class:`kvlab.timing.Budget`, over the prompts'
+    numbers, from 1) may stop before the last prompts; ``budget.done`` numbers the prompts counted."""
+    counts = {(name, k): ([], [], []) for name in drafts for k in ks}      # drafted, accepted, diffs
+    numbers = range(1, len(prompts) + 1)
+    for i in (numbers if budget is None else budget.points(numbers, size=lambda _: 1.0)):
+        ref = greedy_reference(target, prompts[i - 1], new_tokens)
+        for (name, k), (drafted, accepted, diffs) in counts.items():
+            out, st = speculative_generate(target, prompts[i - 1], new_tokens, drafts[name], k)
+            drafted += st.drafted
+            accepted += st.accepted
+            diffs.append(first_difference(out, ref))
     rows = {}
-    for name, draft in drafts.items():
-        for k in ks:
-            drafted, accepted, diffs = [], [], []
-            for p, ref in zip(prompts, refs):
-                out, st = speculative_generate(target, p, new_tokens, draft, k)
-                drafted += st.drafted
-                accepted += st.accepted
-                diffs.append(first_difference(out, ref))
-            st = SpecStats(drafted, accepted)
-            rows[name, k] = {"alpha": st.alpha, "tokens_per_step": st.tokens_per_step, "steps": st.steps,
-                             "accepted": sum(accepted), "tried": st.tried,
-                             "same": all(d is None for d in diffs), "first_diff": diffs}
+    for key, (drafted, accepted, diffs) in counts.items():
+        st = SpecStats(drafted, accepted)
+        rows[key] = {"alpha": st.alpha, "tokens_per_step": st.tokens_per_step, "steps": st.steps,
+                     "accepted": sum(accepted), "tried": st.tried,
+                     "same": all(d is None for d in diffs), "first_diff": diffs}
     return rows
 
 
@@ -198,9 +201,11 @@ def costs(target, drafts, ks, cached: int, budget_s: float) -> dict:
     return {"V": {k: t[f"verify {k}"].median / step for k in ks}, "c": c, "step_s": step, "timings": t}
 
 
-def end_to_end(target, drafts: dict, plan, prompts, new_tokens: int, repeats: int) -> dict:
-    """Plain greedy and each ``(draft, k)`` of ``plan`` over every prompt, interleaved; the same tokens
-    first (a run that differs is not timed: it raises)."""
+def end_to_end(target, drafts: dict, plan, prompts, new_tokens: int, repeats: int,
+               budget: timing.Budget | None = None) -> dict:
+    """Plain greedy and each ``(draft, k)`` of ``plan`` over every prompt, interleaved, up to
+    ``repeats`` rounds (fewer once ``budget`` is spent); the same tokens first (a run that differs is
+    not timed: it raises)."""
     refs = [greedy_reference(target, p, new_tokens) for p in prompts]     # also plain greedy's warm-up
     fns = {"plain greedy": lambda: [greedy_reference(target, p, new_tokens) for p in prompts]}
     for name, k in plan:
@@ -210,12 +215,14 @@ def end_to_end(target, drafts: dict, plan, prompts, new_tokens: int, repeats: in
         if any(a is not None for a in at):
             raise RuntimeError(f"{name} at k={k} differs from plain greedy (first differences {at}): not timing it")
         fns[(name, k)] = fn
-    return timing.compare(fns, warmup=0, repeats=repeats, progress=False)   # each ran once above: warm
+    return timing.compare(fns, warmup=0, repeats=repeats, progress=False, budget=budget)   # each ran once above: warm
 
 
-def hf_comparison(hf, hf_draft, prompt, new_tokens: int, k: int, repeats: int) -> dict:
+def hf_comparison(hf, hf_draft, prompt, new_tokens: int, k: int, repeats: int,
+                  budget: timing.Budget | None = None) -> dict:
     """transformers' own: ``generate`` plain, with ``assistant_model`` (k drafted tokens, constant
-    schedule) and with ``prompt_lookup_num_tokens=k``; same tokens checked, timed interleaved."""
+    schedule) and with ``prompt_lookup_num_tokens=k``; same tokens checked, timed interleaved (up to
+    ``repeats`` rounds, fewer once ``budget`` is spent)."""
     hf_draft.generation_config.num_assistant_tokens = k
     hf_draft.generation_config.num_assistant_tokens_schedule = "constant"
     common = dict(attention_mask=torch.ones_like(prompt), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
@@ -226,7 +233,7 @@ def hf_comparison(hf, hf_draft, prompt, new_tokens: int, k: int, repeats: int) -
     with torch.no_grad():
         outs = {n: f() for n, f in fns.items()}
     same = {n: torch.equal(o, outs["transformers greedy"]) for n, o in outs.items()}
-    return {"same": same, "timings": timing.compare(fns, warmup=1, repeats=repeats, progress=False)}
+    return {"same": same, "timings": timing.compare(fns, warmup=0, repeats=repeats, progress=False, budget=budget)}
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -236,53 +243,55 @@ def hf_comparison(hf, hf_draft, prompt, new_tokens: int, k: int, repeats: int) -
 def plan_sizes(budget_s: float | None = None) -> dict:
     """Sizes for the run: the full book's, or ``KVLAB_QUICK``'s."""
     return timing.pick(
-        {"budget_s": budget_s or 150, "ks": [1, 2, 3, 4, 6, 8], "prompts": 6, "prompt_len": 48, "new": 64},
-        {"budget_s": budget_s or 6, "ks": [1, 3], "prompts": 2, "prompt_len": 32, "new": 24})
+        {"budget_s": budget_s or 500, "ks": [1, 2, 3, 4, 6, 8], "prompts": 6, "prompt_len": 48, "new": 64},
+        {"budget_s": budget_s or 30, "ks": [1, 3], "prompts": 2, "prompt_len": 32, "new": 24})
+
+
+#: each stage's share of :func:`run`'s time budget (the component costs take at most a sixth, fewer
+#: repeats being enough for calls of milliseconds). Measured at full size on the 2-core CPU, 1 torch
+#: thread, shared with other work (load 1.5-3): the counts over 6 prompts 42 s and 121 s, the three
+#: end-to-end rounds 205 s and 224 s (plus one untimed check run), transformers' three rounds 4-6 s;
+#: so 500 s shared out like this measures every prompt and round there, and an idle machine with room.
+SHARES = {"counts": 0.3, "e2e": 0.5, "hf": 0.05}
 
 
 def _repeats(fn_seconds: float, budget_s: float, lo: int = 3, hi: int = 9) -> int:
     return int(min(hi, max(lo, budget_s // max(fn_seconds, 1e-6))))
 
 
-def _prompt_count(target, drafts, prompts, ks, new_tokens: int, budget_s: float) -> int:
-    """How many prompts the counts and the end-to-end timing can afford: one run is timed first, and
-    a prompt costs a run per (draft, k) counted, plus about 4 runs of each of the ~3 timed k per
-    draft and of plain greedy (a check and 3 repeats)."""
-    name = next(iter(drafts))
-    start = time.perf_counter()
-    speculative_generate(target, prompts[0], new_tokens, drafts[name], max(ks))
-    per_run = time.perf_counter() - start
-    runs_per_prompt = len(drafts) * len(ks) + 4 * (3 * len(drafts) + 1)
-    return int(min(len(prompts), max(1, 0.7 * budget_s // (per_run * runs_per_prompt))))
-
-
 @torch.no_grad()
 def run(pair: dict, budget_s: float | None = None, machine: dict | None = None, progress=None) -> dict:
-    """Everything chapter 10 shows for one target and its drafts, sized to ``budget_s`` (the number of
-    prompts shrinks on a slow or busy machine). ``machine``: ``kvlab.probes.machine()`` (for the floor
-    of ``V(k)``); ``progress``: a callable told each stage's name."""
+    """Everything chapter 10 shows for one target and its drafts, sized to ``budget_s`` seconds, shared
+    out as time budgets (:class:`kvlab.timing.Budget`): the counts stop adding prompts, the timings
+    stop adding rounds when theirs is spent (the first prompt and two rounds always run); ``"cuts"``
+    says what each left out. ``machine``: ``kvlab.probes.machine()`` (for the floor of ``V(k)``);
+    ``progress``: a callable told each stage's name."""
     sizes, note = plan_sizes(budget_s), progress or (lambda s: None)
-    target, drafts, ks = pair["target"], pair["drafts"], sizes["ks"]
+    target, drafts, ks, total = pair["target"], pair["drafts"], sizes["ks"], sizes["budget_s"]
     prompts = heldout_prompts(pair["tok"], sizes["prompts"], sizes["prompt_len"])
-    prompts = prompts[:_prompt_count(target, drafts, prompts, ks, sizes["new"], sizes["budget_s"])]
+    budgets = {"counts": timing.Budget(SHARES["counts"] * total, "the acceptance counts' prompts (numbered from 1)", keep=1),
+               "e2e": timing.Budget(SHARES["e2e"] * total, "the end-to-end timing's rounds", keep=2),
+               "hf": timing.Budget(SHARES["hf"] * total, "transformers' comparison's rounds", keep=2)}
+    note(f"acceptance (counts over up to {len(prompts)} prompts)")
+    acc = acceptance(target, drafts, prompts, ks, sizes["new"], budget=budgets["counts"])
+    prompts = [prompts[i - 1] for i in budgets["counts"].done]   # the end-to-end timing uses the same ones
     sizes = dict(sizes, prompts=len(prompts))
-    note(f"acceptance (counts over {len(prompts)} prompts)")
-    acc = acceptance(target, drafts, prompts, ks, sizes["new"])
     note("component costs: V(k), c")
     cached = sizes["prompt_len"] + sizes["new"] // 2
-    cost = costs(target, drafts, ks, cached, sizes["budget_s"] / 6)
+    cost = costs(target, drafts, ks, cached, total / 6)
     alpha = {n: pooled_alpha(acc, n, ks) for n in drafts}
     picks = {n: best_k(alpha[n], cost["c"][n], cost["V"]) for n in drafts}
     plan = [(n, k) for n in drafts for k in sorted({picks[n]} | timing.pick({1, max(ks)}, set()))]
     note("end to end, interleaved")
-    e2e = end_to_end(target, drafts, plan, prompts, sizes["new"], 3)
+    e2e = end_to_end(target, drafts, plan, prompts, sizes["new"], 3, budget=budgets["e2e"])
     note("transformers' own")
     k_hf = picks.get("kvlab-nano", picks.get("distilgpt2", 3))
-    hf = hf_comparison(pair["hf"], pair["hf_draft"], prompts[0], timing.pick(32, 12), k_hf, 3)
+    hf = hf_comparison(pair["hf"], pair["hf_draft"], prompts[0], timing.pick(32, 12), k_hf, 3, budget=budgets["hf"])
     floor = v_floor(target, ks, cached, machine) if machine else None
     return {"sizes": sizes, "acceptance": acc, "costs": cost, "alpha": alpha, "picks": picks, "plan": plan,
             "e2e": e2e, "hf": hf, "k_hf": k_hf, "v_floor": floor, "bytes": draft_bytes(target, drafts),
-            "device": target.wte.weight.device, "label": pair["label"], "target": target}
+            "device": target.wte.weight.device, "label": pair["label"], "target": target,
+            "cuts": [b.note for b in budgets.values() if b.note]}
 
 
 def pooled_alpha(acc: dict, name: str, ks) -> float:
@@ -295,15 +304,18 @@ def pooled_alpha(acc: dict, name: str, ks) -> float:
 # The chapter's checks: same tokens everywhere, the sampling rule's distribution
 
 
-def equality_rows(pair: dict, prompts, new_tokens: int, ks=(1, 4)) -> list[dict]:
-    """Every draft on every cache kind it can rewind, at each k: the same tokens as plain greedy?"""
+def equality_rows(pair: dict, prompts, new_tokens: int, ks=(1, 4), budget: timing.Budget | None = None) -> list[dict]:
+    """Every draft on every cache kind it can rewind, at each k: the same tokens as plain greedy? One
+    prompt at a time; a ``budget`` may stop before the last prompts (its note numbers them from 1)."""
     from .paged_cache import PagedCache
     from .speculative import HFCache
     from .static import StaticKVCache
 
     target, hf, out = pair["target"], pair["hf"], []
     cfg = target.config
-    for p in prompts:
+    numbers = range(1, len(prompts) + 1)
+    for i in (numbers if budget is None else budget.points(numbers, size=lambda _: 1.0)):
+        p = prompts[i - 1]
         ref = greedy_reference(target, p, new_tokens)
         n = p.shape[1] + new_tokens
         sizes = (cfg.n_layer, 1, cfg.n_head, cfg.head_dim, n)
@@ -323,20 +335,27 @@ def equality_rows(pair: dict, prompts, new_tokens: int, ks=(1, 4)) -> list[dict]
 CHI2_5DF_P001 = 20.515
 
 
-def sampling_check(p: torch.Tensor, q: torch.Tensor, trials: int, seed: int = 0) -> dict:
+def sampling_check(p: torch.Tensor, q: torch.Tensor, trials: int, seed: int = 0,
+                   budget: timing.Budget | None = None) -> dict:
     """Speculative sampling's first emitted token against the target's distribution ``p``: draft one
     token from ``q``, apply :func:`kvlab.speculative.accept_or_resample`, ``trials`` times (seeded).
-    Bins: the 5 likeliest tokens of ``p`` and the rest; chi-square against ``trials x p``."""
+    Bins: the 5 likeliest tokens of ``p`` and the rest; chi-square against ``trials x p``. The trials
+    run in rounds of 1,000; a ``budget`` may stop after fewer rounds (``"trials"`` says how many ran:
+    the same first trials as an uncut run, since one seeded generator draws them in order)."""
     from .speculative import accept_or_resample
 
     g = torch.Generator().manual_seed(seed)
     counts = torch.zeros(p.shape[-1], dtype=torch.float64)
-    accepted = 0
-    for _ in range(trials):
-        d = int(torch.multinomial(q, 1, generator=g))
-        out = accept_or_resample(torch.stack([p, p]), q[None], [d], g)
-        counts[out[0]] += 1
-        accepted += len(out) == 2
+    accepted, done, per_round = 0, 0, 1000
+    rounds = -(-trials // per_round)
+    for r in (range(rounds) if budget is None else budget.rounds(rounds)):
+        for _ in range(min(per_round, trials - r * per_round)):
+            d = int(torch.multinomial(q, 1, generator=g))
+            out = accept_or_resample(torch.stack([p, p]), q[None], [d], g)
+            counts[out[0]] += 1
+            accepted += len(out) == 2
+            done += 1
+    trials = done
     top = p.argsort(descending=True)[:5]
     observed = torch.cat([counts[top], (trials - counts[top].sum())[None]])
     expected = trials * torch.cat([p[top], (1 - p[top].sum())[None]])

@@ -286,10 +286,31 @@ class StaticDecoder:
             opts["mode"] = mode
         self.matvec = matvec
         self.step_model = as_reductions(self.model) if matvec == "reduction" else self.model
-        self.step = torch.compile(self._step, **opts)
+        self.step = self._refusing_past_max_len(torch.compile(self._step, **opts))
         self.compiled = True
         self.cuda_graphs = mode == "reduce-overhead" and on_cuda
         return self
+
+    def _refusing_past_max_len(self, compiled):
+        """``compiled`` with its raw index error (``index_copy_`` under the eager backends, inductor's
+        generated C++ "index out of bounds") turned into a ValueError that names the fix when the cache
+        is full. Nothing is checked before a step (no read-back, no sync): only a failing step pays.
+        On CUDA an out-of-bounds write is a device-side assert that cannot be caught; there
+        :meth:`generate` checks the whole run's length up front."""
+        def step(ids):
+            try:
+                return compiled(ids)
+            except (IndexError, RuntimeError) as err:
+                if "out of bounds" not in str(err) or self.cache.position.device.type == "cuda":
+                    raise
+                at = int(self.cache.position)
+                if at < self.max_len:
+                    raise
+                raise ValueError(f"the compiled decode step was asked to write at position {at}, but the static "
+                                 f"cache holds max_len={self.max_len} tokens (positions 0..{self.max_len - 1}): "
+                                 "make the decoder with a larger max_len, or reset() or rewind() its cache "
+                                 "before stepping again") from None
+        return step
 
     def _check(self, input_ids, max_new_tokens):
         ids = check_inputs(self.model, input_ids, max_new_tokens, batched=True)

@@ -100,14 +100,16 @@ def measure(fn: Callable[[], object], label: str = "", warmup: int = 1, repeats:
 
 
 def compare(fns: dict[str, Callable[[], object]], warmup: int = 1, repeats: int = 5,
-            threads: int | None = None, progress: bool = True) -> dict[str, Timing]:
-    """Time several variants interleaved (A, B, C, A, B, C, ...) in one run; medians per variant."""
+            threads: int | None = None, progress: bool = True, budget: "Budget | None" = None) -> dict[str, Timing]:
+    """Time several variants interleaved (A, B, C, A, B, C, ...) in one run; medians per variant.
+    With a ``budget`` (:class:`Budget`) fewer than ``repeats`` rounds run once it is spent (at least its
+    ``keep``); every variant gets the same number of samples, and ``budget.note`` says how many."""
     threads = threads or torch.get_num_threads()
     for fn in fns.values():
         for _ in range(warmup):
             fn()
     out = {k: Timing(k) for k in fns}
-    rounds = range(repeats)
+    rounds = range(repeats) if budget is None else budget.rounds(repeats)
     for _ in bar(rounds, desc="timing rounds", leave=False) if progress else rounds:
         for k, fn in fns.items():
             out[k].samples.append(_one_run(fn, threads))
@@ -146,9 +148,10 @@ class Budget:
         self.done: list = []
         self.skipped: list = []
         self.elapsed = 0.0
+        self.unit = "points"
 
-    def points(self, grid, size: Callable[[object], float] = float):
-        grid, self.done, self.skipped = list(grid), [], []
+    def points(self, grid, size: Callable[[object], float] = float, _unit: str = "points"):
+        grid, self.done, self.skipped, self.unit = list(grid), [], [], _unit
         start, last = time.perf_counter(), None
         for i, p in enumerate(grid):
             self.elapsed = time.perf_counter() - start
@@ -163,15 +166,23 @@ class Budget:
             self.done.append(p)
         self.elapsed = time.perf_counter() - start
 
+    def rounds(self, n: int, unit: str = "rounds"):
+        """Rounds ``0 .. n - 1`` of a repeated measurement, each judged as long as the one before: the
+        first ``keep`` always run, the rest while the budget lasts (the note counts them from 1, as
+        ``unit``: "rounds", "steps", ...)."""
+        return self.points(range(validate.check_int(n, unit, 0)), size=lambda _: 1.0, _unit=unit)
+
     @property
     def note(self) -> str:
-        """A sentence for the output: which points the budget left out ("" when none)."""
+        """A sentence for the output: which points (or rounds) the budget left out ("" when none)."""
         if not self.skipped:
             return ""
         n = len(self.done) + len(self.skipped)
+        left = (f"{self.unit} {len(self.done) + 1} to {n}" if len(self.skipped) > 1 else f"{self.unit.removesuffix('s')} {n}") \
+            if self.unit != "points" else str(self.skipped)
         return (f"{self.what}: its time budget of {self.seconds:.3g} s was spent after {len(self.done)} of {n} "
-                f"points ({self.elapsed:.3g} s on this machine, as loaded as it was); not measured: "
-                f"{self.skipped}. A faster or quieter machine measures them.")
+                f"{self.unit} ({self.elapsed:.3g} s on this machine, as loaded as it was); "
+                f"not measured: {left}. A faster or quieter machine measures {'them' if len(self.skipped) > 1 else 'it'}.")
 
     def report(self) -> None:
         if self.note:

@@ -131,6 +131,33 @@ def test_compiled_inductor_same_tokens(ours, tiny, inductor_dec):
     assert torch.equal(inductor_dec.generate(ids, 20), generate(ours, ids, 20))
 
 
+def _step_at_max_len_refused(dec, ids):
+    """A full cache: the compiled step asked to write at position == max_len raises a ValueError that
+    names the fix, writes nothing, and the decoder still generates correctly afterwards."""
+    dec.generate(ids, dec.max_len - ids.shape[1])
+    dec.cache.position.fill_(dec.max_len)
+    keys = [k.clone() for k in dec.cache.keys]
+    with torch.no_grad(), pytest.raises(ValueError, match=r"position 32.*max_len=32.*larger max_len.*reset\(\)"):
+        dec.step(dec.ids)
+    assert int(dec.cache.position) == dec.max_len
+    assert all(torch.equal(a, b) for a, b in zip(keys, dec.cache.keys))
+
+
+def test_compiled_step_at_max_len_is_a_clear_error_eager_backend(ours, tiny):
+    ids = tiny[1]("The LORD is my shepherd", return_tensors="pt").input_ids
+    torch._dynamo.reset()
+    dec = StaticDecoder(ours, batch_size=1, max_len=32).compile(backend="aot_eager")
+    _step_at_max_len_refused(dec, ids)
+    assert torch.equal(dec.generate(ids, 20), generate(ours, ids, 20))
+
+
+def test_compiled_step_at_max_len_is_a_clear_error_inductor(ours, tiny, inductor_dec):
+    """inductor's generated C++ checks its index and raises a RuntimeError; the decoder names the fix."""
+    ids = tiny[1]("The LORD is my shepherd", return_tensors="pt").input_ids
+    _step_at_max_len_refused(inductor_dec, ids)
+    assert torch.equal(inductor_dec.generate(ids, 20), generate(ours, ids, 20))
+
+
 def test_compiled_step_profile_attributes_the_parts(ours, tiny, inductor_dec):
     """Chapter 8's profile of a compiled step: the library's matmuls and attention are found by name
     in inductor's step, the parts add up to the profiled wall time, and the step still runs after."""
