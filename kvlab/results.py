@@ -35,7 +35,7 @@ HEADERS = {
     "achieved_GBps": "achieved (GB/s)", "of_read_probe": "share of the read probe's bandwidth",
     "copy_GBps": "copy bandwidth (GB/s)", "bandwidth_probe": "bandwidth measured by",
     "dtype": "dtype", "backend": "compile backend", "mode": "compile mode",
-    "weights": "weights", "step_MB": "bytes a step reads (MB)", "same_as_fp32": "tokens equal to fp32's",
+    "weights": "weights", "same_as_fp32": "tokens equal to fp32's",
     "prompt_tokens": "prompt tokens N", "compute_bound_from": "compute-bound from N =",
 }
 TITLES = {

@@ -261,3 +261,24 @@ def recorded_sentence(what: str = "Recorded runs on GPUs") -> str:
                 "(python -m kvlab.report --device cuda); until then every number here comes from the "
                 "machine that built this page.")
     return f"{what} ({', '.join(gpus)}) are on the results page, each labelled with its device and date."
+
+
+def fit_sentence(overhead: float, k: float, measured, predicted) -> str:
+    """Lab 7's fit ``measured = overhead + k x floor``, read honestly: a fit whose overhead is negative,
+    larger than the whole batch-1 step, or whose ``k`` is below 1 (faster than the floor) does not
+    describe the run, and the sentence says which and why (how measured/floor moved with the batch)."""
+    ratios = [m / p for m, p in zip(measured, predicted)]
+    trend = (f"measured/floor {'grows' if ratios[-1] > ratios[0] else 'falls'} with the batch (from "
+             f"{ratios[0]:.1f}x to {ratios[-1]:.1f}x)")
+    if overhead < 0:
+        why = f"its overhead came out negative ({overhead * 1e3:.3f} ms)"
+    elif overhead > measured[0]:
+        why = (f"its overhead ({overhead * 1e3:.3f} ms) is larger than the whole batch-1 step "
+               f"({measured[0] * 1e3:.3f} ms)")
+    elif k < 1:
+        why = f"its factor k = {k:.2f} would run the bytes faster than the floor allows"
+    else:
+        return (f"fixed overhead per step: {overhead * 1e3:.3f} ms, {overhead / measured[0]:.0%} of the batch-1 "
+                f"step; the rest runs at {k:.2f}x the floor")
+    return (f"the fit does not fit this run: {why}, because {trend}: no constant overhead plus one factor k "
+            "times the floor explains these steps")

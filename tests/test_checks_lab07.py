@@ -552,3 +552,63 @@ def _off_by_one_once(model, B, S, bw, fl):
 def test_an_unexplained_critical_batch_shows_the_times_at_both_batches():
     msg = expect_rejected(check_bound_and_critical, _off_by_one_once, "strictly greater")
     assert msg.count("the FLOPs take") == 2 and "memory-bound" in msg and "compute-bound" in msg
+
+
+# ---- the walkthrough of issue 34 (a new learner, from a fresh clone): what it found, held
+
+_SHARED_AT_ZERO = '''
+def bound_and_critical(model, B, S, bw, fl):
+    shared = decode_step_bytes(model, 0, 0)              # the weights, read off batch 0
+    row = decode_step_bytes(model, 1, S) - shared        # one row's own bytes
+    over = lambda b: decode_step_flops(model, b, S) / fl > (shared + b * row) / bw
+    t_w, t_c = shared / bw, (decode_step_bytes(model, B, S) - shared) / bw
+    bound = "compute" if decode_step_flops(model, B, S) / fl > t_w + t_c else ("cache" if t_c > t_w else "weights")
+    gain = decode_step_flops(model, 1, S) / fl - row / bw
+    if gain <= 0:
+        return bound, None
+    b = max(1, int(shared / bw / gain))                 # where the two lines cross, then settled
+    while b > 1 and over(b - 1):
+        b -= 1
+    while not over(b):
+        b += 1
+    return bound, b
+'''
+
+
+def test_crit_right_answer_reading_the_shared_bytes_off_batch_zero_passes(capsys):
+    """Exercise 3 graded on exercise 1's reference: a right answer that reads the shared bytes off
+    ``decode_step_bytes(model, 0, 0)`` (outside exercise 1's contract, but what "shared + batch x row"
+    invites) is accepted, not diagnosed as a memo."""
+    ns = {"decode_step_bytes": right, "decode_step_flops": decode_step_flops}
+    exec(compile(_SHARED_AT_ZERO, "<learner cell>", "exec"), ns)
+    check_bound_and_critical(ns["bound_and_critical"])
+    assert "PASSED" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("shift", [dict(S=1), dict(B=1), dict(S=-1)])
+def test_an_off_by_one_is_not_called_a_memo(shift):
+    """A function off by one in one argument returns, for some case, the answer of its neighbour: that
+    is not a result kept from another call (a memo returns the same value for both cases)."""
+    def wrong(model, B, S):
+        return right(model, max(B + shift.get("B", 0), 0), max(S + shift.get("S", 0), 0))
+    with pytest.raises(Exception) as e:
+        check_decode_step_bytes(wrong)
+    assert "kept from another call" not in str(e.value)
+
+
+def test_a_refused_check_never_prints_passed(capsys):
+    """The watch rules after the check body ran: a check that passed on library code it then refuses
+    must not have printed PASSED first."""
+    with pytest.raises(Exception, match="kvlab"):
+        check_step_time_floor(lambda m, B, S, bw, fl: roofline.step_time_floor(m, B, S, bw, fl))
+    assert "PASSED" not in capsys.readouterr().out
+
+
+def test_the_fit_sentence_flags_a_fit_that_does_not_fit():
+    from kvlab import rooflineview
+    measured, floors = [5.63e-3, 9.53e-3, 6.46e-3, 8.09e-3], [1e-3, 2e-3, 4e-3, 8e-3]
+    assert "larger than the whole batch-1 step" in rooflineview.fit_sentence(6.7e-3, 0.8, measured, floors)
+    assert "negative" in rooflineview.fit_sentence(-1e-3, 1.2, measured, floors)
+    assert "faster than the floor" in rooflineview.fit_sentence(1e-3, 0.8, measured, floors)
+    ok = rooflineview.fit_sentence(2e-3, 1.5, measured, floors)
+    assert ok.startswith("fixed overhead per step: 2.000 ms") and "1.50x the floor" in ok

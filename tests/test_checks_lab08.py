@@ -383,6 +383,16 @@ def test_static_generate_rejects(kwargs, needles):
     expect_rejected(check_static_generate, functools.partial(static_generate, **kwargs), *needles)
 
 
+def test_static_generate_zero_new_tokens_is_named_as_a_count():
+    """max_new_tokens=0 answered with one token too many is told as a count of tokens, not as a dtype
+    (the walkthrough of issue 34: "LongTensor ... got torch.int64" read like a dtype complaint)."""
+    def one_too_many_at_zero(model, cache, step, input_ids, max_new_tokens):
+        return static_generate(model, cache, step, input_ids, max(max_new_tokens, 1))
+    msg = expect_rejected(check_static_generate, one_too_many_at_zero, "1 new token(s), for max_new_tokens=0",
+                          "the prompt alone")
+    assert "torch.int64" not in msg
+
+
 def attention_zeroes_hidden_values(q, k, v, pos):                 # correct, and immune to NaN values
     T, S = q.shape[-2], k.shape[-2]
     hidden = torch.arange(S, device=q.device)[None] > pos + torch.arange(T, device=q.device)[:, None]

@@ -58,7 +58,11 @@ def _typed_in_schedule():
 
 
 class Copied(Scheduler):
-    schedule = _typed_in_schedule()            # correct
+    # correct: the library's algorithm typed in whole (schedule and the two halves it calls: the
+    # halves are the answer too, so a copy of schedule alone would still run the library's)
+    schedule = _typed_in_schedule()
+    _schedule_running = own_copy(Scheduler)._schedule_running
+    _schedule_waiting = own_copy(Scheduler)._schedule_waiting
 
 
 def test_correct_schedulers_pass(tiny):
@@ -83,6 +87,21 @@ class CallsSuper(Scheduler):
 class Forwards(Scheduler):
     def schedule(self, _impl=Scheduler.schedule):      # the library's, as a default argument
         return _impl(self)
+
+
+class Halves(Scheduler):
+    def schedule(self):                    # the library's two halves of schedule, called in order
+        batch = Batch()
+        self._schedule_running(batch)
+        self._schedule_waiting(batch)
+        return batch
+
+
+def test_the_library_halves_of_schedule_are_refused():
+    """The walkthrough of issue 34: the library's own _schedule_running / _schedule_waiting are the
+    answer, not tools: refused, naming what ran."""
+    expect_rejected(check_scheduler, Halves, "ran kvlab.serving.scheduler.Scheduler._schedule_running",
+                    "write it yourself")
 
 
 def test_the_library_one_step_removed_is_refused_by_what_runs():

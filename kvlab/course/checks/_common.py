@@ -19,6 +19,8 @@ the library one step removed refused and a learner's own copy of the library's c
 
 from __future__ import annotations
 
+import contextlib
+import io
 import copy
 import functools
 import inspect
@@ -412,13 +414,16 @@ def grader(check=None, *, given=(), graded=None):
         @functools.wraps(check)
         def run(*args, **kwargs):
             __tracebackhide__ = True  # noqa: F841 - pytest and IPython hide this frame
-            watch = LibraryWatch(given)
+            watch, printed = LibraryWatch(given), io.StringIO()
             try:
                 refuse_handed_in(check.__name__, list(args) + list(kwargs.values()), graded)
-                with watch:
+                # what the check prints (its PASSED line) is held back until the watch has ruled:
+                # a check that passes on library code it then refuses must not say PASSED first
+                with watch, contextlib.redirect_stdout(printed):
                     out = check(*args, **kwargs)
                 verdict = watch.verdict(check.__name__)
                 if verdict is None:
+                    sys.stdout.write(printed.getvalue())
                     return out
             except (GraderFailure, NotImplementedError) as e:
                 # the library's code run by the learner's is the root cause of any other failure
@@ -430,8 +435,11 @@ def grader(check=None, *, given=(), graded=None):
                                              "attribute, another return type?)")
                 broke.__cause__ = e
                 verdict = watch.verdict(check.__name__) or broke
-            # The check failed. Its message, below, names the mistake and the fix; the grader's
+            # The check failed: what it printed before, but its PASSED lines, is shown (your own
+            # prints included). Its message, below, names the mistake and the fix; the grader's
             # own frames are cut from this traceback (what is left above is your code).
+            sys.stdout.write("".join(line for line in printed.getvalue().splitlines(keepends=True)
+                                     if not line.startswith("PASSED")))
             raise _trimmed(verdict)
         return run
     return wrap if check is None else wrap(check)

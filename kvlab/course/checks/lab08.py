@@ -641,6 +641,13 @@ def _judge_loop(where, out, want, shape, calls, step, counter, before) -> None:
 
     B, T, n = shape
     if not isinstance(out, torch.Tensor) or out.dtype != torch.long or list(out.shape) != [B, T + n]:
+        if isinstance(out, torch.Tensor) and out.dtype == torch.long and out.dim() == 2 and out.shape[0] == B:
+            extra = out.shape[1] - T
+            said = (f"the prompt and {extra} new token(s), for max_new_tokens={n}" if extra >= 0 else
+                    f"{out.shape[1]} tokens, fewer than the prompt's {T}")
+            raise fail(NAME_LOOP, f"{where}: your tensor holds {said}: the answer is the prompt followed by exactly "
+                                  f"max_new_tokens new tokens, shape {[B, T + n]}"
+                                  + (" (max_new_tokens=0: the prompt alone, and no step)" if n == 0 else ""))
         got = (f"{out.dtype} {list(out.shape)}" if isinstance(out, torch.Tensor) else type(out).__name__)
         raise fail(NAME_LOOP, f"{where}: return a LongTensor [B, T + max_new_tokens] = {[B, T + n]} (the "
                               f"prompt, then the new tokens), got {got}")
