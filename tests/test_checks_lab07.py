@@ -612,3 +612,12 @@ def test_the_fit_sentence_flags_a_fit_that_does_not_fit():
     assert "faster than the floor" in rooflineview.fit_sentence(1e-3, 0.8, measured, floors)
     ok = rooflineview.fit_sentence(2e-3, 1.5, measured, floors)
     assert ok.startswith("fixed overhead per step: 2.000 ms") and "1.50x the floor" in ok
+
+
+def test_a_clamped_fit_is_rejected_by_name():
+    """The walkthrough of issue 34: an overhead clamped at zero passed while no graded set had a
+    negative intercept; one now has, and the mistake is named."""
+    def clamped(floors, measured):
+        overhead, k = fit(floors, measured)
+        return max(overhead, 0.0), k
+    expect_rejected(check_overhead_fit, clamped, "clamped the overhead at zero")

@@ -676,8 +676,13 @@ def _fit_cases():
     f1 = [1e-4, 2e-4, 4e-4, 8e-4]
     f2 = [3e-3, 3.1e-3, 3.5e-3, 5e-3, 9e-3]
     f3 = [2e-5, 9e-5, 4e-5, 1.6e-4, 3e-4, 6e-5]
+    f4 = [1e-3, 2e-3, 4e-3, 8e-3]
     out = [(f1, [5e-3 + 1.5 * f for f in f1]), (f2, [(2e-3 + 1.7 * f) * noise() for f in f2]),
-           (f3, [(2e-4 + 3.0 * f) * noise() for f in f3])]
+           (f3, [(2e-4 + 3.0 * f) * noise() for f in f3]),
+           # a run whose line has a NEGATIVE intercept (measured/floor grows with the batch, as lab 7's
+           # closing cell meets): the fit reports it as it is; a clamped one would hide that it does not fit
+           (f4, [(-5e-4 + 1.4 * f) * noise() for f in f4]),
+           (f2, [(-1.2e-3 + 1.9 * f) * noise() for f in f2])]   # a second one: a diagnosis is confirmed twice
     return [(f, m, *_lstsq(f, m)) for f, m in out]
 
 
@@ -718,6 +723,9 @@ _FIT_MISTAKES = [
     ("pair reversed", lambda c: _lstsq(c[0], c[1])[::-1],
      "you returned (k, overhead): the pair is (overhead_seconds, k), intercept first (np.polyfit returns the "
      "slope first)"),
+    ("clamped", lambda c: (max(_lstsq(c[0], c[1])[0], 0.0), _lstsq(c[0], c[1])[1]),
+     "you clamped the overhead at zero: a negative intercept is what the least-squares line says about this "
+     "run, and hiding it hides that the line does not fit; return the fit as it is"),
     ("ratio", lambda c: (0.0, sum(m / f for f, m in zip(c[0], c[1])) / len(c[0])),
      "you averaged measured / floor: that mixes the fixed overhead into k; fit a line with an intercept"),
 ]
