@@ -64,13 +64,14 @@ def run(model_name: str, new_tokens: int, prompt_len: int, repeats: int, threads
         raise SystemExit(str(e)) from None
     print(f"all {len(runs)} generators give identical tokens ({new_tokens} new, prompt {prompt_len})")
     models = dict.fromkeys(runs, hf)
+    eager_of = dict(G.EAGER_OF)
     if formats:                            # chapter 8's smaller weights: bytes read per step shrink
-        extra = _format_runs(ours, prompt, new_tokens, compiled, runs, models, first_call, device)
+        extra = _format_runs(ours, prompt, new_tokens, compiled, runs, models, first_call, eager_of, device)
         runs = {**runs, **extra}
 
     res = timing.compare(runs, warmup=0, repeats=repeats)   # the correctness pass above was the warm-up
     out = _print_results(res, models, device, prompt_len, new_tokens)
-    _print_compile_times(first_call, res, new_tokens)
+    _print_compile_times(first_call, res, new_tokens, eager_of)
     return out
 
 
@@ -79,10 +80,11 @@ def _format_name(fmt: str, how: str) -> str:
     return base.replace("hand-built GPT-2", f"hand-built GPT-2, {fmt} weights")
 
 
-def _format_runs(ours, prompt, new_tokens, compiled, runs, models, first_call, device) -> dict:
+def _format_runs(ours, prompt, new_tokens, compiled, runs, models, first_call, eager_of, device) -> dict:
     """The hand-built GPT-2 with bf16 and int8 weights (``kvlab.weights``), eager and compiled: their
     tokens cannot equal fp32's exactly, so they are compared with it (tokens before the first
-    difference) instead of refused; each row's floor and bytes are its own format's."""
+    difference) instead of refused; each row's floor and bytes are its own format's. Records each
+    compiled row's eager twin in ``eager_of`` (for its break-even)."""
     gens = weightbench.generators(ours, prompt, new_tokens, ("bf16", "int8"), compiled)
     want = runs[G.HAND_BUILT]()
     extra = {}
@@ -91,8 +93,8 @@ def _format_runs(ours, prompt, new_tokens, compiled, runs, models, first_call, d
         if how == weightbench.COMPILED:
             print(f"compiling: {name} ...", flush=True)
             first_call[name] = staticbench.time_first_call(fn, device)
-        at = harness.first_difference(fn(), want)
-        same = new_tokens if at is None else at - prompt.shape[1]
+            eager_of[name] = _format_name(fmt, weightbench.EAGER)
+        same = weightbench.tokens_agreeing(fn(), want, prompt.shape[1], new_tokens)
         print(f"{name}: the first {same} of {new_tokens} tokens equal fp32's ({weightbench.weights.describe(model)})")
         extra[name], models[name] = fn, model
     return extra
@@ -130,10 +132,10 @@ def _compile(runs, device) -> dict[str, float]:
     return first
 
 
-def _print_compile_times(first_call, res, new_tokens) -> None:
+def _print_compile_times(first_call, res, new_tokens, eager_of) -> None:
     """Compile time apart from the steady state, and after how many tokens compiling pays off."""
     for name, first in first_call.items():
-        eager_name = G.EAGER_OF.get(name) or name.replace(", static cache, compiled", "")
+        eager_name = eager_of[name]
         eager, steady = res[eager_name].median, res[name].median
         compile_s = staticbench.compile_seconds(first, steady)
         n = staticbench.break_even_tokens(compile_s, eager / new_tokens, steady / new_tokens)

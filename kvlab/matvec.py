@@ -22,6 +22,8 @@ import copy
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .gpt2 import TokenEmbedding
+
 
 def row_dot(x, weight):
     """``x @ weight.T`` as one reduction per output row (``x [..., K]``, ``weight [N, K]``)."""
@@ -65,6 +67,6 @@ def as_reductions(model):
             for name, child in list(parent.named_children()):
                 if type(child) is nn.Linear:
                     setattr(parent, name, ReductionLinear(child))
-    if type(twin.wte).__name__ == "TokenEmbedding":
+    if type(twin.wte) is TokenEmbedding:
         twin.wte = ReductionHead(twin.wte)
     return twin

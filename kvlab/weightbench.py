@@ -32,6 +32,13 @@ def arithmetic_dtype(fmt: str) -> torch.dtype:
     return torch.float32 if fmt == "fp32" else torch.bfloat16
 
 
+def tokens_agreeing(out, want, prompt_len: int, new_tokens: int) -> int:
+    """How many of the ``new_tokens`` generated after a prompt of ``prompt_len`` equal ``want``'s, up to
+    the first difference (all of them when the two are identical)."""
+    at = first_difference(out, want)
+    return new_tokens if at is None else max(at - prompt_len, 0)
+
+
 def generators(ours, prompt, new_tokens: int, formats=weights.FORMATS, compiled: bool = True) -> dict:
     """``{(fmt, how): (model, fn)}``: the hand-built GPT-2 in each format, eager (chapter 3's
     preallocated cache) and compiled (chapter 8's static decoder, not yet compiled: its first call does)."""
@@ -57,10 +64,11 @@ def measure(ours, prompt_len: int, new_tokens: int, formats=weights.FORMATS, rep
     gens = generators(ours, prompt, new_tokens, formats, compiled)
     first = {k: time_first_call(fn, device) for k, (_, fn) in gens.items() if k[1] == COMPILED}
     want = gens["fp32", EAGER][1]() if ("fp32", EAGER) in gens else gpt2.generate(ours, prompt, new_tokens)
-    agree = {k: first_difference(fn(), want) for k, (_, fn) in gens.items()}
+    agree = {k: tokens_agreeing(fn(), want, prompt_len, new_tokens) for k, (_, fn) in gens.items()}
     m = machine or probes.machine(device, verbose=False)
-    rates = {d: probes.measure_matmul_flops(device, d, verbose=False) for d in
-             dict.fromkeys(arithmetic_dtype(f) for f in formats)}
+    rates = {m["flops_dtype"]: m["flops"]}          # the machine's own rate, measured once
+    rates.update({d: probes.measure_matmul_flops(device, d, verbose=False)
+                  for d in dict.fromkeys(arithmetic_dtype(f) for f in formats) if d not in rates})
     res = timing.compare({k: fn for k, (_, fn) in gens.items()}, warmup=0, repeats=repeats, progress=progress)
     rows = []
     for (fmt, how), t in res.items():
@@ -68,13 +76,12 @@ def measure(ours, prompt_len: int, new_tokens: int, formats=weights.FORMATS, rep
         floor = roofline.generation_floor(model, 1, prompt_len, new_tokens, m["bandwidth"],
                                           rates[arithmetic_dtype(fmt)]) / new_tokens
         achieved = roofline.achieved_bandwidth(model, 1, prompt_len, new_tokens, t.median)
-        at = agree[fmt, how]
         rows.append(dict(weights=fmt, generator=how, per_token=t.median / new_tokens, floor_per_token=floor,
                          x_floor=t.median / new_tokens / floor, achieved=achieved,
                          of_probe=achieved / m["bandwidth"], timing=t,
                          step_bytes=roofline.decode_step_bytes(model, 1, prompt_len + new_tokens // 2),
                          weight_bytes=roofline.weight_read_bytes(model, 1),
-                         same_as_fp32=new_tokens if at is None else max(at - prompt_len, 0),
+                         same_as_fp32=agree[fmt, how],
                          new_tokens=new_tokens, prompt_len=prompt_len, bandwidth=m["bandwidth"],
                          compile_s=compile_seconds(first[fmt, how], t.median) if how == COMPILED else None,
                          model=getattr(ours, "kvlab_name", "?"), device=device.type,
@@ -97,10 +104,8 @@ def quality(ours, tok, formats=weights.FORMATS, window: int = 256, max_windows: 
     for fmt in formats:
         model = ours if fmt == "fp32" else weights.convert(ours, fmt)
         loss, n = window_loss(model, ids, window=window, max_windows=max_windows)
-        same = []
-        for p, ref in zip(ps, refs):
-            at = first_difference(gpt2.generate(model, p, new_tokens), ref)
-            same.append(new_tokens if at is None else at - p.shape[1])
+        same = [tokens_agreeing(gpt2.generate(model, p, new_tokens), ref, p.shape[1], new_tokens)
+                for p, ref in zip(ps, refs)]
         rows.append(dict(weights=fmt, weight_mb=roofline.weight_bytes(model) / 1e6,
                          perplexity=float(torch.tensor(loss).exp()), windows=n,
                          same_tokens=sum(same) / len(same), of_tokens=new_tokens,

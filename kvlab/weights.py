@@ -29,6 +29,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .gpt2 import GPT2
+
 FORMATS = ("fp32", "bf16", "int8")
 
 
@@ -107,8 +109,6 @@ class Int8TokenEmbedding(nn.Module):
 def convert(model, fmt: str):
     """A copy of the hand-built GPT-2 ``model`` (fp32) with its weights in ``fmt`` (one of
     :data:`FORMATS`); ``model`` itself is not changed."""
-    from .gpt2 import GPT2
-
     if not isinstance(model, GPT2):
         raise ValueError(f"convert takes the hand-built kvlab.gpt2.GPT2 (GPT2.from_hf(hf)), got "
                          f"{type(model).__name__}")

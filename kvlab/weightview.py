@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from . import verdicts
 from .tables import show
+from .weightbench import measured_crossover
 
 
 def print_rows(rows: list[dict]) -> None:
@@ -83,8 +84,6 @@ def plot_sweep(rows: list[dict], ax) -> None:
 
 def sweep_sentence(rows: list[dict], computed: list[dict]) -> str:
     """The measured doubling context per format beside the computed crossover (same batch)."""
-    from .weightbench import measured_crossover
-
     parts = []
     for fmt in dict.fromkeys(r["weights"] for r in rows):
         pred = next((c["context"] for c in computed if c["weights"] == fmt and c["batch"] == rows[0]["batch"]), None)
