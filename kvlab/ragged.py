@@ -31,6 +31,12 @@ set of queries with the keys they may see, read from their blocks. Two ways to r
     FlashDecoding over the splits of a long context. It is exact, and on a CPU it is slower than
     the one fused call (one operator per level instead of one in all; chapter 9 measures both).
 
+Decode rows read their keys one of two ways: the batched gather above (every key copied out of its
+block into a workspace, then the model's attention), or :func:`paged_decode`, compiled by inductor
+into loops that load each key straight from its block through the block table (no copy: what vLLM's
+paged-attention kernel does). :class:`PagedDecode` compiles it once per process and falls back to
+the gather, saying so, where torch.compile cannot run.
+
 A GPU engine does all of this in ONE kernel launch and without a gather: varlen FlashAttention takes
 the queries and keys packed end to end with their offsets (``cu_seqlens``) and skips the tiles above
 the diagonal; FlashInfer or vLLM's paged kernels read the keys straight from the blocks through the
@@ -41,6 +47,9 @@ blocks into a workspace the runner keeps from step to step (:class:`Workspace`).
 from __future__ import annotations
 
 import math
+import os
+import shutil
+import warnings
 
 import torch
 
@@ -102,6 +111,61 @@ def causal_chunk(q, k, v, start: int, tally=None):
 
 
 # ---------------------------------------------------------------------------------------------------
+# Decode attention read straight from the blocks
+
+
+def paged_decode(q, pool_k, pool_v, tables, length: int):
+    """Attention of decode rows whose sequences hold ``length`` keys each, every key visible: ``q``
+    ``[b, H, 1, D]``, one layer's pools ``[blocks, H, block_size, D]``, ``tables`` ``[b, width]``.
+    Written as a product-and-sum over the head dimension and one over the keys (not as matrix
+    products), so that inductor compiles each into a loop that loads every key from its block
+    through the table, with no copy; run eagerly, the indexing copies like the gather does."""
+    bs = pool_k.shape[2]
+    pos = torch.arange(length, device=q.device)
+    blk, off = tables[:, pos // bs], pos % bs                     # each key's block and slot: [b, L], [L]
+    work = torch.promote_types(q.dtype, torch.float32)           # scores and their sums in at least fp32
+    qs = q[:, :, 0].to(work) * (1.0 / math.sqrt(q.shape[-1]))     # [b, H, D]
+    scores = (qs[:, None] * pool_k[blk, :, off].to(work)).sum(-1)  # [b, L, H]
+    p = scores.softmax(1)
+    out = (p[..., None] * pool_v[blk, :, off].to(work)).sum(1)     # [b, H, D]
+    return out[:, :, None].to(q.dtype)
+
+
+class PagedDecode:
+    """:func:`paged_decode`, compiled once per process (``dynamic=True``: a few shapes compile, then
+    any batch and length reuse them). ``usable()`` is False where inductor cannot run (a CPU without
+    a C++ compiler, a device other than cpu/cuda) or after a compile failed (warned once); the
+    caller then uses the gather."""
+
+    def __init__(self):
+        self.fn, self.broken = None, None
+
+    def usable(self, device) -> bool:
+        if self.broken is not None:
+            return False
+        kind = torch.device(device).type
+        if kind == "cpu":
+            return shutil.which(os.environ.get("CXX", "g++")) is not None
+        return kind == "cuda"
+
+    def __call__(self, q, pool_k, pool_v, tables, length: int):
+        if self.fn is None:
+            self.fn = torch.compile(paged_decode, dynamic=True)
+        try:
+            return self.fn(q, pool_k, pool_v, tables, length)
+        except Exception as e:             # inductor's failures come wrapped in several types
+            if "Compil" not in type(e).__name__ and "Inductor" not in type(e).__name__:
+                raise
+            self.broken = e
+            warnings.warn(f"torch.compile could not build the paged decode kernel ({type(e).__name__}); "
+                          "decode rows use the block gather from now on", stacklevel=2)
+            return paged_decode(q, pool_k, pool_v, tables, length)
+
+
+PAGED_DECODE = PagedDecode()          # one per process: its compiled code serves every runner
+
+
+# ---------------------------------------------------------------------------------------------------
 # The segments of a step
 
 
@@ -128,13 +192,15 @@ class Segments:
     LongTensors of block ids (``[b, width]``, or ``[width]`` for a chunk). ``gather`` reads one
     sequence's keys from one layer's pool (lab 9's ``paged_gather`` contract) or None for the
     batched block gather. ``exact``: chunks through :func:`causal_chunk` (only the visible pairs)
-    instead of one masked call. ``scored`` counts the (query, key) pairs :meth:`attend` scored, all
+    instead of one masked call. ``paged``: decode rows through :data:`PAGED_DECODE` (keys read in place)
+    instead of the gather and the model's attention. ``scored`` counts the (query, key) pairs :meth:`attend` scored, all
     layers together.
     """
 
     def __init__(self, n_tokens: int, decode: dict, chunks: list, gather=None, workspace: Workspace | None = None,
-                 exact: bool = False):
+                 exact: bool = False, paged: bool = False):
         self.n_tokens, self.decode, self.chunks, self.gather, self.exact = n_tokens, decode, chunks, gather, exact
+        self.paged = paged and gather is None
         self.workspace = workspace or Workspace()
         self.scored = [0]
         self._masks: dict = {}          # the chunks' masks, made once per step (the same in every layer)
@@ -205,6 +271,9 @@ class Segments:
 
     def _decode(self, qs, pool_k, pool_v, L, tables, attention_fn):
         """``qs`` ``[b, H, 1, D]``: rows of one length ``L``, every key visible (no mask to apply)."""
+        if self.paged and PAGED_DECODE.usable(qs.device):
+            self.scored[0] += qs.shape[0] * L
+            return PAGED_DECODE(qs, pool_k, pool_v, tables, L)
         k, v = self.keys(pool_k, tables, L, 0), self.keys(pool_v, tables, L, 1)
         self.scored[0] += qs.shape[0] * L
         return attention_fn(qs, k, v, None)

@@ -159,7 +159,7 @@ def _random_tokens(rng, n, vocab):
 
 
 def prepared_steps(model, rows: int, context: int, prompt_len: int, block_size: int = 16, gather=None,
-                   cached: int = 0, exact: bool = False):
+                   cached: int = 0, exact: bool = False, paged: bool = False):
     """A runner with ``rows`` sequences of ``context`` cached tokens, each due one decode token, and
     one prompt of ``cached + prompt_len`` tokens whose first ``cached`` are in its blocks already (a
     chunk after a cached prefix): ``(runner, decode work, prefill work)``. Running a step does not
@@ -167,7 +167,7 @@ def prepared_steps(model, rows: int, context: int, prompt_len: int, block_size: 
 
     nb = rows * blocks_for(context + 1, block_size) + blocks_for(cached + prompt_len, block_size)
     bm = BlockManager(nb, block_size, prefix_caching=False)
-    runner, rng, vocab = Runner(model, nb, block_size, gather, exact), random.Random(0), \
+    runner, rng, vocab = Runner(model, nb, block_size, gather, exact, paged), random.Random(0), \
         model.config.vocab_size
     decode = []
     for i in range(rows):

@@ -117,13 +117,16 @@ def test_the_whole_context(setup):
         generate(ours, ids, 7)
 
 
-@pytest.mark.parametrize("exact", [False, True], ids=["masked-chunks", "exact-split"])
-def test_serving_engine_gives_each_prompt_its_own_tokens(setup, prompts, want, exact):
+@pytest.mark.parametrize("exact,paged", [(False, False), (True, False), (False, True)],
+                         ids=["masked-chunks", "exact-split", "paged-decode"])
+def test_serving_engine_gives_each_prompt_its_own_tokens(setup, prompts, want, exact, paged):
     """Chapter 9: every prompt inside the engine (ragged steps, requests joining mid-run, a shared prefix
     forked), tokens equal to the prompt alone; blocks of 4 (boundaries crossed and hit); prompt chunks
-    through one masked call, or through the exact split that scores the visible pairs only."""
+    through one masked call, or through the exact split that scores the visible pairs only; decode rows
+    through the gather, or read in place by the compiled paged kernel."""
     _, _, ours = setup
-    eng = Engine(ours, num_blocks=64, block_size=4, max_num_seqs=3, max_num_batched_tokens=8, exact_attention=exact)
+    eng = Engine(ours, num_blocks=64, block_size=4, max_num_seqs=3, max_num_batched_tokens=8, exact_attention=exact,
+                 paged_attention=paged)
     eng.add_prefix(prompts[0][1][0, :5].tolist())      # text0 and the 6-token prompt share it
     reqs = {name: eng.submit(ids[0].tolist(), N, arrival=0.001 * i) for i, (name, ids) in enumerate(prompts)}
     eng.run()

@@ -55,12 +55,13 @@ def _pools_after(runner, work):
     return view.segments, runner.keys[0], runner.values[0]
 
 
-@pytest.mark.parametrize("exact", [True, False], ids=["exact", "masked-chunk"])
-def test_mixed_step_with_a_cached_prefix_equals_the_reference(ours, exact):
+@pytest.mark.parametrize("exact,paged", [(True, False), (False, False), (True, True)],
+                         ids=["exact", "masked-chunk", "exact-paged-decode"])
+def test_mixed_step_with_a_cached_prefix_equals_the_reference(ours, exact, paged):
     """7 decode rows at 128 cached tokens and a 48-token chunk after a 32-token
     cached prefix: the fast path equals the per-sequence reference; with ``exact`` the step scores
     exactly the pairs the one rule lets through, counted as the step runs, in every layer."""
-    runner, decode, prefill = prepared_steps(ours, 7, 128, 48, cached=32, exact=exact)
+    runner, decode, prefill = prepared_steps(ours, 7, 128, 48, cached=32, exact=exact, paged=paged)
     work = decode + prefill
     segs, K, V = _pools_after(runner, work)
     q = torch.randn(1, ours.config.n_head, segs.n_tokens, ours.config.head_dim, generator=torch.Generator().manual_seed(1))
@@ -95,3 +96,55 @@ def test_a_decode_row_of_its_own_length_and_a_lone_chunk(ours):
     q = torch.randn(1, ours.config.n_head, segs.n_tokens, ours.config.head_dim)
     assert (segs.attend(q, K, V, masked_attention, True) - segs.reference(q, K, V, masked_attention, True)).abs().max() < ATOL
     assert segs.pairs()[0] == segs.pairs()[1]
+
+
+def test_paged_decode_reads_the_blocks_in_place_and_equals_the_gather(ours):
+    """Decode rows of two lengths through the compiled kernel that reads keys through the block table
+    (no copy): the same outputs as the gather + the model's attention, the same tokens from a whole
+    step, and exactly the visible pairs scored. Then the kernel's fallback: a compile failure is warned
+    once and the kernel's eager twin answers; later steps use the gather."""
+    import warnings
+
+    from kvlab import ragged
+    if not ragged.PAGED_DECODE.usable("cpu"):
+        pytest.skip("no C++ compiler here: the fallback test below still runs")
+    runs = {}
+    for paged in (False, True):
+        runner, decode, prefill = prepared_steps(ours, 6, 37, 9, cached=3, paged=paged)
+        decode[2][0].num_computed -= 1          # one row runs two tokens: three groups in all
+        decode[2] = (decode[2][0], 2)
+        runs[paged] = runner.run(decode + prefill)
+        segs, K, V = _pools_after(runner, decode + prefill)
+        q = torch.randn(1, ours.config.n_head, segs.n_tokens, ours.config.head_dim,
+                        generator=torch.Generator().manual_seed(3))
+        assert (segs.attend(q, K, V, masked_attention, True) - segs.reference(q, K, V, masked_attention, True)).abs().max() < ATOL
+    assert runs[False] == runs[True]
+
+
+def test_paged_decode_falls_back_and_warns_when_compile_fails(monkeypatch):
+    from kvlab import ragged
+
+    class InductorError(RuntimeError):
+        pass
+
+    def broken(*a):
+        raise InductorError("no compiler")
+
+    kernel = ragged.PagedDecode()
+    kernel.fn = broken
+    g = torch.Generator().manual_seed(0)
+    pool_k, pool_v = torch.randn(6, 2, 4, 8, generator=g), torch.randn(6, 2, 4, 8, generator=g)
+    q, tables = torch.randn(2, 2, 1, 8, generator=g), torch.tensor([[4, 1], [0, 5]])
+    with pytest.warns(UserWarning, match="could not build the paged decode kernel"):
+        got = kernel(q, pool_k, pool_v, tables, 7)
+    k = pool_k[tables].transpose(1, 2).reshape(2, 2, 8, 8)[:, :, :7]
+    v = pool_v[tables].transpose(1, 2).reshape(2, 2, 8, 8)[:, :, :7]
+    assert (got - F.scaled_dot_product_attention(q, k, v)).abs().max() < ATOL
+    assert not kernel.usable("cpu")             # from now on the caller gathers
+
+    def other(*a):
+        raise KeyError("a real bug")            # not a compile failure: never swallowed
+    fresh = ragged.PagedDecode()
+    fresh.fn = other
+    with pytest.raises(KeyError):
+        fresh(q, pool_k, pool_v, tables, 7)

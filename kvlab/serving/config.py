@@ -17,7 +17,10 @@ class EngineConfig:
     per-step budgets (vLLM's ``max_num_batched_tokens`` and ``max_num_seqs``) and the policies (see
     :class:`~kvlab.serving.scheduler.Scheduler`). ``max_len`` is the contiguous reservation per
     sequence (``admission="contiguous"`` only). ``exact_attention``: a prompt chunk scores its visible
-    pairs only (:func:`kvlab.ragged.causal_chunk`), not its whole rectangle in one masked call."""
+    pairs only (:func:`kvlab.ragged.causal_chunk`), not its whole rectangle in one masked call.
+    ``paged_attention``: decode rows read their keys in place from the blocks through a compiled
+    kernel (:func:`kvlab.ragged.paged_decode`, where torch.compile can run); False copies them out of
+    the blocks first (the gather) and runs the model's attention on the copy."""
 
     num_blocks: int
     block_size: int = 16
@@ -30,6 +33,7 @@ class EngineConfig:
     batching: str = "continuous"
     running_order: str = "decode-first"
     exact_attention: bool = False
+    paged_attention: bool = False
 
     def __post_init__(self):
         check_int(self.num_blocks, "num_blocks (blocks in the pool)", 1)
@@ -42,6 +46,6 @@ class EngineConfig:
                 raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
         if self.admission == "contiguous" or self.max_len is not None:
             check_int(self.max_len, "max_len (the contiguous reservation per sequence)", 1)
-        for name in ("chunked_prefill", "prefix_caching", "exact_attention"):
+        for name in ("chunked_prefill", "prefix_caching", "exact_attention", "paged_attention"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")

@@ -65,17 +65,17 @@ class Engine:
                  batching: str = "continuous", prefix_caching: bool = True, max_len: int | None = None,
                  allocator_cls=None, gather=None, clock: Clock | None = None, scheduler_cls=Scheduler,
                  block_manager_cls=BlockManager, running_order: str = "decode-first",
-                 exact_attention: bool = False, config: EngineConfig | None = None):
+                 exact_attention: bool = False, paged_attention: bool = False, config: EngineConfig | None = None):
         cfg = config or EngineConfig(num_blocks, block_size, max_num_batched_tokens, max_num_seqs, max_len,
                                      chunked_prefill, prefix_caching, admission, batching, running_order,
-                                     exact_attention)
+                                     exact_attention, paged_attention)
         self.model, self.config, self.engine_config = check_servable(model), model.config, cfg   # checked once
         self.blocks = (block_manager_cls(cfg.num_blocks, cfg.block_size, cfg.prefix_caching) if allocator_cls is None
                        else AllocatorBlocks(allocator_cls, cfg.num_blocks, cfg.block_size))
         order = {} if cfg.running_order == "decode-first" else {"running_order": cfg.running_order}
         self.scheduler = scheduler_cls(self.blocks, cfg.max_num_batched_tokens, cfg.max_num_seqs, cfg.chunked_prefill,
                                        cfg.admission, cfg.batching, cfg.max_len, **order)
-        self.runner = Runner(model, cfg.num_blocks, cfg.block_size, gather, cfg.exact_attention)   # owns the pool
+        self.runner = Runner(model, cfg.num_blocks, cfg.block_size, gather, cfg.exact_attention, cfg.paged_attention)   # owns the pool
         self.clock, self.trace = clock or Clock(self.runner.device), Trace()
         self.pending: list[Sequence] = []      # submitted, not yet arrived (by arrival time)
         self.seqs: dict = {}                    # every request ever submitted, by id

@@ -78,7 +78,7 @@ class RaggedStep(Cache):
 
 
 def step_inputs(work: list[tuple[Sequence, int]], block_size: int, device=None, gather=None, workspace=None,
-                exact: bool = False):
+                exact: bool = False, paged: bool = False):
     """Token ids ``[1, N]``, positions ``[1, N]``, the new tokens' slots (blocks, offsets), the step's
     :class:`Segments` and the logit rows of a step. Built sequence by sequence from the block tables:
     the cost grows with the new tokens and the blocks, never with every key of every sequence."""
@@ -105,7 +105,8 @@ def step_inputs(work: list[tuple[Sequence, int]], block_size: int, device=None, 
             select.append(col - 1)
     as_long = lambda x: torch.tensor(x, dtype=torch.long, device=device)   # noqa: E731
     segs = Segments(col, {L: (as_long(c), as_long(t)) for L, (c, t) in decode.items()},
-                    [(s, n, as_long(t), torch.arange(p, p + n)) for s, n, t, p in chunks], gather, workspace, exact)
+                    [(s, n, as_long(t), torch.arange(p, p + n)) for s, n, t, p in chunks], gather, workspace, exact,
+                    paged)
     return as_long([ids]), as_long([pos]), as_long(blocks), as_long(offsets), segs, select
 
 
@@ -114,10 +115,13 @@ class Runner:
     ``[layers, blocks, heads, block_size, head_dim]``). ``gather`` (lab 9's ``paged_gather``
     contract: one sequence from one layer's ``[blocks, heads, block_size, head_dim]``) replaces the
     batched block gather when given; ``exact`` scores a prompt chunk's visible pairs only
-    (:func:`kvlab.ragged.causal_chunk`) instead of one masked call."""
+    (:func:`kvlab.ragged.causal_chunk`) instead of one masked call; ``paged`` reads a decode row's keys
+    in place, through the compiled :func:`kvlab.ragged.paged_decode` (where torch.compile runs),
+    instead of copying them out of the blocks first."""
 
-    def __init__(self, model, num_blocks: int, block_size: int, gather=None, exact: bool = False):
-        self.model, self.block_size, self.gather, self.exact = model, block_size, gather, exact
+    def __init__(self, model, num_blocks: int, block_size: int, gather=None, exact: bool = False,
+                 paged: bool = False):
+        self.model, self.block_size, self.gather, self.exact, self.paged = model, block_size, gather, exact, paged
         self.keys, self.values = allocate_kv_cache(model, num_blocks, block_size)
         self.device = self.keys.device
         self.workspace = Workspace()      # the buffers a step gathers keys into, kept from step to step
@@ -130,7 +134,7 @@ class Runner:
     def prepare(self, work: list[tuple[Sequence, int]]):
         """The step's inputs and its cache: ``(ids, view, rows)``."""
         ids, pos, blocks, offsets, segs, select = step_inputs(work, self.block_size, self.device, self.gather,
-                                                                  self.workspace, self.exact)
+                                                                  self.workspace, self.exact, self.paged)
         view = RaggedStep(self.keys, self.values, pos, blocks, offsets, segs)
         return ids, view, torch.tensor(select, dtype=torch.long, device=self.device)
 
