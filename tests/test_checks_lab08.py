@@ -234,7 +234,7 @@ def test_cache_accepts_correct(impl, capsys):
 @pytest.mark.parametrize("impl, needles", [
     (CacheSliced, ["slice to the current length", "recompiles"]),
     (CacheIntPos, ["int(pos)", "graph break"]),
-    (CacheResetKeepsKeys, ["after reset()", "previous prompt", "zero_()"]),
+    (CacheResetKeepsKeys, ["after reset()", "previous prompt", "as empty as a new one", "exercise 4 asks"]),
     (CacheResetReallocates, ["reset() allocated new buffers"]),
     (CacheRowZeroEverywhere, ["row 0's keys"]),
     (CacheRowShift, ["row 1's are at slot", "same"]),
@@ -298,7 +298,8 @@ def test_no_recompile_checks_another_model():
     kvlab-tiny; a float64 GPT-2 with heads of 24 shows both. A correct pair passes there too."""
     from kvlab.course.checks import lab08
     expect_rejected(lambda a: check_no_recompile(StaticKVCache, a, steps=4), attention_scale_of_tiny,
-                    "3 heads of 24", "fixed to kvlab-tiny")
+                    "3 heads of 24", "1/sqrt(64)", "on two inputs")
+    expect_rejected(check_static_attention, attention_scale_of_tiny, "1/8 whatever the head size")
     expect_rejected(lambda c: check_no_recompile(c, static_attention_explicit, steps=4), CacheFloat32Always,
                     "float64", "dtype it is given")
     lab08._on_other_model(CacheAdvancedIndex, static_attention_explicit)      # unusual, correct

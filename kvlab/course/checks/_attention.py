@@ -10,7 +10,8 @@ import torch
 
 from ._common import confirmed, fail
 
-SCALES = {"sqrt": lambda D: 1 / math.sqrt(D), "D": lambda D: 1 / D, "none": lambda D: 1.0}
+SCALES = {"sqrt": lambda D: 1 / math.sqrt(D), "D": lambda D: 1 / D, "none": lambda D: 1.0,
+          "tiny": lambda D: 1 / 8}          # kvlab-tiny's 1/sqrt(64), whatever the head size
 
 
 def _visible(mask: str, T: int, S: int, offset: int) -> torch.Tensor:
