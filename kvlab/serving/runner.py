@@ -144,6 +144,14 @@ class Runner:
         token (None for a prompt chunk that does not)."""
         ids, view, rows = self.prepare(work)
         logits = self.model(ids, cache=view, select=rows)    # positions: the view's plan
+        greedy = iter(logits[0].argmax(-1).tolist())          # every row's argmax in one call, one sync
         rows_out = iter(logits[0])                # the LM head ran only on the rows that get a token
-        return [sample(next(rows_out), seq.sampling, seq.generator) if seq.num_computed + n == seq.num_tokens
-                else None for seq, n in work]
+        out = []
+        for seq, n in work:
+            if seq.num_computed + n != seq.num_tokens:
+                out.append(None)
+                continue
+            row, best = next(rows_out), next(greedy)
+            greedy_row = seq.sampling is None or seq.sampling.temperature == 0
+            out.append(best if greedy_row else sample(row, seq.sampling, seq.generator))
+        return out
