@@ -460,3 +460,22 @@ def test_a_diagnosis_is_named_only_when_a_second_table_confirms_it():
         return _ref(pool, sorted(table) if len(table) <= 3 else table, n)
     msg = expect_rejected(check_paged_gather, sorted_if_short, "wrong values")
     assert "allocation order" not in msg
+
+
+def _gather_into_default_device(pool, table, n):      # the output made without the pool's device
+    H, bs, D = pool.shape[1], pool.shape[2], pool.shape[3]
+    out = torch.zeros(H, len(table) * bs, D, dtype=pool.dtype)
+    for i, b in enumerate(table):
+        out[:, i * bs:(i + 1) * bs] = pool[b].to(out.device)
+    return out[:, :n]
+
+
+def _gather_by_cat(pool, table, n):                    # unusual but correct: one block at a time, concatenated
+    return torch.cat([pool[b] for b in table], dim=1)[:, :n]
+
+
+def test_paged_gather_follows_the_pool_device():
+    """Issue 34: check_paged_gather had no device case. A gather that builds its output on the default
+    device is named; one that concatenates blocks (any device) passes."""
+    expect_rejected(check_paged_gather, _gather_into_default_device, "device='meta'", "pool's device")
+    check_paged_gather(_gather_by_cat)

@@ -362,8 +362,28 @@ def check_paged_gather(paged_gather) -> None:
         if not torch.equal(pool, saved):
             raise fail(NAME_GATHER, f"{where}: paged_gather modified the pool; only read it")
         _check_gathered(out, pool, table, n, where, paged_gather)
+    _gather_on_meta(paged_gather)
     passed(NAME_GATHER, f"{len(_GATHER_CASES)} block tables (out of id order, at and around block boundaries, "
-                        "a tuple, three dtypes) gathered exactly")
+                        "a tuple, three dtypes) gathered exactly; a pool on device='meta' stays there")
+
+
+def _gather_on_meta(paged_gather) -> None:
+    """A pool on the meta device (shapes only): the gathered tensor must be on the pool's device, or
+    the same code hands a GPU engine's attention a CPU tensor."""
+    pool = torch.empty(6, 2, 4, 8, dtype=torch.float16, device="meta")
+    where = "pool [6, 2, 4, 8] float16 on device='meta' (shapes only), block_table=[3, 0, 5], seq_len=10"
+    try:
+        out = paged_gather(pool, [3, 0, 5], 10)
+    except Exception as e:  # noqa: BLE001 - the learner's error, named
+        raise fail(NAME_GATHER, f"{where}: paged_gather raised {type(e).__name__}: "
+                                f"{str(e).splitlines()[0] if str(e) else ''}. On a GPU the same happens: make "
+                                "every tensor you create on the pool's device") from e
+    if not isinstance(out, torch.Tensor) or out.device.type != "meta" or tuple(out.shape) != (2, 10, 8) \
+            or out.dtype != torch.float16:
+        got = (f"{list(out.shape)} {out.dtype} on {out.device}" if isinstance(out, torch.Tensor)
+               else type(out).__name__)
+        raise fail(NAME_GATHER, f"{where}: expected [2, 10, 8] float16 on meta, got {got}: a tensor made without "
+                                "the pool's device lands on the default one (a GPU engine would get a CPU tensor)")
 
 
 # A second input on which every mistake of the table gives a result of its own (a table out of order,
