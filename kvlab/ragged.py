@@ -271,11 +271,10 @@ class Segments:
 
     def _decode(self, qs, pool_k, pool_v, L, tables, attention_fn):
         """``qs`` ``[b, H, 1, D]``: rows of one length ``L``, every key visible (no mask to apply)."""
+        self.scored[0] += qs.shape[0] * L
         if self.paged and PAGED_DECODE.usable(qs.device):
-            self.scored[0] += qs.shape[0] * L
             return PAGED_DECODE(qs, pool_k, pool_v, tables, L)
         k, v = self.keys(pool_k, tables, L, 0), self.keys(pool_v, tables, L, 1)
-        self.scored[0] += qs.shape[0] * L
         return attention_fn(qs, k, v, None)
 
     def reference(self, q, pool_k, pool_v, attention_fn, additive: bool):

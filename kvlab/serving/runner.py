@@ -18,7 +18,7 @@ from ..cache import Cache
 from ..configs import kv_dims
 from ..paged import blocks_for, copy_block
 from ..ragged import Segments, Workspace
-from .sampling import sample
+from .sampling import is_greedy, sample
 from .sequence import Sequence
 
 
@@ -152,6 +152,5 @@ class Runner:
                 out.append(None)
                 continue
             row, best = next(rows_out), next(greedy)
-            greedy_row = seq.sampling is None or seq.sampling.temperature == 0
-            out.append(best if greedy_row else sample(row, seq.sampling, seq.generator))
+            out.append(best if is_greedy(seq.sampling) else sample(row, seq.sampling, seq.generator))
         return out

@@ -48,10 +48,15 @@ class SamplingParams:
         return torch.Generator().manual_seed(seed + offset)
 
 
+def is_greedy(params: SamplingParams | None) -> bool:
+    """Whether ``params`` asks for the argmax (no parameters, or temperature 0)."""
+    return params is None or params.temperature == 0
+
+
 def sample(logits: torch.Tensor, params: SamplingParams | None, generator: torch.Generator | None) -> int:
     """One token from one row of logits ``[vocab]``: argmax when greedy, else one draw from the
     tempered distribution cut by top-k and top-p (on the CPU, so a seed means the same on any device)."""
-    if params is None or params.temperature == 0:
+    if is_greedy(params):
         return int(logits.argmax())
     x = logits.detach().float().cpu() / params.temperature
     if params.top_k:
