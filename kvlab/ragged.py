@@ -153,13 +153,23 @@ class PagedDecode:
             self.fn = torch.compile(paged_decode, dynamic=True)
         try:
             return self.fn(q, pool_k, pool_v, tables, length)
-        except Exception as e:             # inductor's failures come wrapped in several types
-            if "Compil" not in type(e).__name__ and "Inductor" not in type(e).__name__:
-                raise
+        except compile_failures() as e:    # a bug of ours (a KeyError, a shape error) still raises
             self.broken = e
             warnings.warn(f"torch.compile could not build the paged decode kernel ({type(e).__name__}); "
                           "decode rows use the block gather from now on", stacklevel=2)
             return paged_decode(q, pool_k, pool_v, tables, length)
+
+
+def compile_failures() -> tuple:
+    """The exception types that mean "torch.compile could not build this here": dynamo wraps a
+    backend's failure in ``BackendCompilerFailed`` (``InductorError`` is a subclass), and a C++ or
+    CUDA build that fails raises ``CppCompileError`` / ``CUDACompileError``. Looked up by class, not by
+    name, so an unrelated error whose name merely contains "Compile" is never swallowed."""
+    import torch._dynamo.exc as dynamo_exc
+    import torch._inductor.exc as inductor_exc
+    found = [getattr(dynamo_exc, "BackendCompilerFailed", None)]
+    found += [getattr(inductor_exc, n, None) for n in ("InductorError", "CppCompileError", "CUDACompileError")]
+    return tuple(t for t in found if isinstance(t, type))
 
 
 PAGED_DECODE = PagedDecode()          # one per process: its compiled code serves every runner

@@ -124,11 +124,10 @@ def test_paged_decode_reads_the_blocks_in_place_and_equals_the_gather(ours):
 def test_paged_decode_falls_back_and_warns_when_compile_fails(monkeypatch):
     from kvlab import ragged
 
-    class InductorError(RuntimeError):
-        pass
+    from torch._inductor.exc import CppCompileError
 
-    def broken(*a):
-        raise InductorError("no compiler")
+    def broken(*a):                          # what inductor raises on a machine whose g++ fails
+        raise CppCompileError(["g++", "kernel.cpp"], "g++: fatal error: no input files")
 
     kernel = ragged.PagedDecode()
     kernel.fn = broken
@@ -148,3 +147,14 @@ def test_paged_decode_falls_back_and_warns_when_compile_fails(monkeypatch):
     fresh.fn = other
     with pytest.raises(KeyError):
         fresh(q, pool_k, pool_v, tables, 7)
+
+    class CompileLookalike(RuntimeError):   # a name that contains "Compile" is not a compile failure
+        pass
+
+    def lookalike(*a):
+        raise CompileLookalike("a bug of ours")
+    third = ragged.PagedDecode()
+    third.fn = lookalike
+    with pytest.raises(CompileLookalike):
+        third(q, pool_k, pool_v, tables, 7)
+    assert third.broken is None

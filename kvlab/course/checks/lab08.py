@@ -31,7 +31,7 @@ import torch
 
 from kvlab.reference import hf_greedy
 from kvlab.reference import first_difference
-from ._common import (ValueReads, call_unmodified, fail, fresh_prompts, grading_model,
+from ._common import (ValueReads, call_unmodified, confirmed, fail, fresh_prompts, grading_model,
                       held_tensors, learner_call, misplaced, passed)
 from kvlab.gpt2 import GPT2
 from ._attention import float64_attention, name_the_mistake, where_wrong
@@ -505,21 +505,27 @@ def _on_other_model(StaticKVCache, static_attention) -> None:
 
 
 def _scale_fixed_to_tiny(static_attention) -> None:
-    """After a wrong end-to-end result on heads of 24: the learner's attention alone at D = 24, two
-    inputs; if both match a scale of 1/8 (kvlab-tiny's head size written in), say so."""
+    """After a wrong end-to-end result on heads of 24: the learner's attention alone at D = 24, on
+    two inputs (:func:`confirmed`); if both match a scale of 1/8 (kvlab-tiny's head size written in),
+    say so."""
     gen, probes = torch.Generator().manual_seed(24), []
     for _ in range(2):
         q, k, v = _attention_inputs(2, 3, 1, 4, 16, 24, "zeros", gen)
         try:
-            out = static_attention(q.double(), k.double(), v.double(), torch.tensor(4))
+            probes.append((q, k, v, static_attention(q.double(), k.double(), v.double(), torch.tensor(4))))
         except Exception:  # noqa: BLE001 - a diagnosis only: the generic message follows
             return
-        probes.append(isinstance(out, torch.Tensor) and out.shape == q.shape and torch.allclose(
-            out.double(), float64_attention(q, k, v, 4, scale="tiny"), atol=1e-6))
-    if all(probes):
-        raise fail(NAME_COMPILE, "on a float64 GPT-2 with 3 heads of 24, your attention alone scales the scores by "
-                                 "1/8 = 1/sqrt(64), kvlab-tiny's head size, on two inputs: the scale must come from "
-                                 "the head size of q (its last dimension), not be written in")
+
+    def tiny_scale(probe):
+        q, k, v, out = probe
+        return isinstance(out, torch.Tensor) and out.shape == q.shape and torch.allclose(
+            out.double(), float64_attention(q, k, v, 4, scale="tiny"), atol=1e-6)
+    message = confirmed([(tiny_scale, "on a float64 GPT-2 with 3 heads of 24, your attention alone scales the "
+                                      "scores by 1/8 = 1/sqrt(64), kvlab-tiny's head size, on two inputs: the scale "
+                                      "must come from the head size of q (its last dimension), not be written in")],
+                        probes)
+    if message:
+        raise fail(NAME_COMPILE, message)
 
 
 def check_no_recompile(StaticKVCache, static_attention, steps: int = 50) -> None:
