@@ -168,18 +168,44 @@ def above_probe(achieved: float, probe: float, step_bytes: int, device="cpu", sl
     return step_bytes > (cache or 0) and achieved > slack * probe
 
 
+def _square_pair(n: int, device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return tuple(torch.randn(n, n, generator=g).to(device=device, dtype=dtype) for _ in range(2))
+
+
+#: One probe product should take about this long on a CPU: long enough to time, short enough that a
+#: dtype the CPU only emulates (fp16 without native arithmetic: seconds per 1024 x 1024 product) does
+#: not cost the page minutes.
+MATMUL_PROBE_S = 0.02
+
+
+def _matmul_size(device, dtype, threads: int) -> int:
+    """The probe's matrix size: 8192 on a GPU; on a CPU the smallest of 256, 512, 1024 (512 at most
+    under KVLAB_QUICK) whose product takes at least ``MATMUL_PROBE_S``, sized by timing it."""
+    if device.type == "cuda":
+        return 8192
+    n, cap = 256, 512 if QUICK else 1024
+    while n < cap:
+        a, b = _square_pair(n, device, dtype)
+        a @ b                                                           # first call: allocation
+        if median_seconds(lambda: a @ b, device, repeats=1, warmup=0, threads=threads) >= MATMUL_PROBE_S:
+            break
+        n *= 2
+    return n
+
+
 def measure_matmul_flops(device="cpu", dtype=torch.float32, n: int | None = None,
                          threads: int | None = None, repeats: int = 5, verbose: bool = True) -> float:
-    """FLOP/s an ``n x n`` by ``n x n`` matrix product achieves (``2 n^3`` FLOPs), median of ``repeats``."""
+    """FLOP/s an ``n x n`` by ``n x n`` matrix product achieves (``2 n^3`` FLOPs), median of ``repeats``.
+    Without ``n``, the size is picked by time (see :func:`_matmul_size`) and printed."""
 
     device, dtype = check_device(device), as_dtype(dtype)
     n = None if n is None else check_int(n, "n (the matrix size)", 1)
     threads, repeats = None if threads is None else check_int(threads, "threads", 1), check_int(repeats, "repeats", 1)
     threads = _threads(device, threads)
-    n = n or (8192 if device.type == "cuda" else 512 if QUICK else 1024)
-    g = torch.Generator().manual_seed(0)
-    a = torch.randn(n, n, generator=g).to(device=device, dtype=dtype)
-    b = torch.randn(n, n, generator=g).to(device=device, dtype=dtype)
+    if n is None:
+        n = _matmul_size(device, dtype, threads)
+    a, b = _square_pair(n, device, dtype)
     seconds = median_seconds(lambda: a @ b, device, repeats=repeats, threads=threads)
     rate = 2 * n ** 3 / seconds
     if verbose:

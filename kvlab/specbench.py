@@ -243,15 +243,14 @@ def hf_comparison(hf, hf_draft, prompt, new_tokens: int, k: int, repeats: int,
 def plan_sizes(budget_s: float | None = None) -> dict:
     """Sizes for the run: the full book's, or ``KVLAB_QUICK``'s."""
     return timing.pick(
-        {"budget_s": budget_s or 500, "ks": [1, 2, 3, 4, 6, 8], "prompts": 6, "prompt_len": 48, "new": 64},
+        {"budget_s": budget_s or 150, "ks": [1, 2, 3, 4, 6], "prompts": 4, "prompt_len": 48, "new": 48},
         {"budget_s": budget_s or 30, "ks": [1, 3], "prompts": 2, "prompt_len": 32, "new": 24})
 
 
 #: each stage's share of :func:`run`'s time budget (the component costs take at most a sixth, fewer
-#: repeats being enough for calls of milliseconds). Measured at full size on the 2-core CPU, 1 torch
-#: thread, shared with other work (load 1.5-3): the counts over 6 prompts 42 s and 121 s, the three
-#: end-to-end rounds 205 s and 224 s (plus one untimed check run), transformers' three rounds 4-6 s;
-#: so 500 s shared out like this measures every prompt and round there, and an idle machine with room.
+#: repeats being enough for calls of milliseconds). The end-to-end rounds are the costly stage (every
+#: planned (draft, k) over every counted prompt, three times), so they get half; a cut stage says so in
+#: the run's ``"cuts"``, which the chapter prints.
 SHARES = {"counts": 0.3, "e2e": 0.5, "hf": 0.05}
 
 

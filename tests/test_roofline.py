@@ -211,3 +211,12 @@ def test_arithmetic_rate_names_the_dtype(capsys):
     rate, used = probes.arithmetic_rate("cpu", torch.float16, threads=1)
     assert used in (torch.float16, torch.bfloat16, torch.float32)
     assert "priced at the" in capsys.readouterr().out
+
+
+def test_the_matmul_probe_is_sized_by_time_so_an_emulated_dtype_stays_cheap(monkeypatch):
+    """A CPU without native fp16 takes seconds per 1024 x 1024 fp16 product: the probe's size is
+    picked by timing one product (at least MATMUL_PROBE_S), so a slow dtype gets a small matrix."""
+    monkeypatch.setattr(probes, "MATMUL_PROBE_S", 0.0)          # every size is "slow enough": the smallest
+    assert probes._matmul_size(torch.device("cpu"), torch.float32, 1) == 256
+    monkeypatch.setattr(probes, "MATMUL_PROBE_S", 1e9)          # none is: the cap
+    assert probes._matmul_size(torch.device("cpu"), torch.float32, 1) == (512 if probes.QUICK else 1024)
