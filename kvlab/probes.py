@@ -187,8 +187,7 @@ def _matmul_size(device, dtype, threads: int) -> int:
     n, cap = 256, 512 if QUICK else 1024
     while n < cap:
         a, b = _square_pair(n, device, dtype)
-        a @ b                                                           # first call: allocation
-        if median_seconds(lambda: a @ b, device, repeats=1, warmup=0, threads=threads) >= MATMUL_PROBE_S:
+        if median_seconds(lambda: a @ b, device, repeats=1, warmup=1, threads=threads) >= MATMUL_PROBE_S:
             break
         n *= 2
     return n
