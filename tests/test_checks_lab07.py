@@ -366,7 +366,32 @@ def _capped(limit):
     return impl
 
 
+def _tie_bound(compute_ties, cache_ties):
+    """The bound with a tie broken the wrong way: '>=' where the lab's rule says '>'."""
+    def bound(model, B, S, bw, fl):
+        weights, cache, compute = _terms(model, B, S, bw, fl)
+        if compute > weights + cache or (compute_ties and compute == weights + cache):
+            return "compute"
+        return "cache" if cache > weights or (cache_ties and cache == weights) else "weights"
+    return bound
+
+
+def _tie_crit(model, B, S, bw, fl):
+    """A search whose test is 'compute >= memory': a batch at an exact tie is called critical."""
+    bound, crit = closed_form(model, B, S, bw, fl)
+    at = lambda b: decode_step_flops(model, b, S) / fl >= right(model, b, S) / bw
+    while crit is not None and crit > 1 and at(crit - 1):
+        crit -= 1
+    return bound, crit
+
+
 WRONG_CRIT = {
+    # ties broken the wrong way (the lab's rule: strictly greater is compute-bound; 'weights' wins a byte tie)
+    "a compute tie called compute-bound": (lambda *a: (_tie_bound(True, False)(*a), closed_form(*a)[1]),
+                                           ["exactly as long as all the bytes", "a tie is not compute-bound"]),
+    "a byte tie given to the cache": (lambda *a: (_tie_bound(False, True)(*a), closed_form(*a)[1]),
+                                      ["same number of bytes", "a tie between the two byte terms to 'weights'"]),
+    "a tie counted as critical": (_tie_crit, ["a tie is not compute-bound", "STRICTLY greater"]),
     # issue 34, kinds 2 and 3: memos keyed on part of the arguments; a loop capped below real critical batches
     "memoised without the bandwidth": (_crit_memo_without("bandwidth"), ["kept from another call", "bandwidth only"]),
     "memoised without the flops": (_crit_memo_without("flops"), ["kept from another call", "flops only"]),
@@ -561,7 +586,8 @@ def bound_and_critical(model, B, S, bw, fl):
     shared = decode_step_bytes(model, 0, 0)              # the weights, read off batch 0
     row = decode_step_bytes(model, 1, S) - shared        # one row's own bytes
     over = lambda b: decode_step_flops(model, b, S) / fl > (shared + b * row) / bw
-    t_w, t_c = shared / bw, (decode_step_bytes(model, B, S) - shared) / bw
+    t_w = decode_step_bytes(model, B, 0) / bw            # everything but the cache (the rows looked up too)
+    t_c = decode_step_bytes(model, B, S) / bw - t_w
     bound = "compute" if decode_step_flops(model, B, S) / fl > t_w + t_c else ("cache" if t_c > t_w else "weights")
     gain = decode_step_flops(model, 1, S) / fl - row / bw
     if gain <= 0:

@@ -506,6 +506,14 @@ _CRIT_CASES = [   # every bound, a critical batch of 1, contexts at which no bat
      5000e12),
     ("gpt2-medium (meta, fp16), zero context, a machine with 5,000 TFLOP/s per TB/s", _GPT2_MEDIUM, 1, 0, 1e12,
      5000e12),
+    # exact ties (integer counts over power-of-two rates, so every way of computing the times agrees):
+    # a tie between compute and all the bytes is not compute-bound; a tie of the byte terms is "weights"
+    ("the bf16 grouped-query Llama, 2 positions, FLOPs time equal to bytes time", 2, 1, 2, 2.0**40, 2.0**40),
+    ("the head_dim=16 Llama, batch 5, 14 positions, FLOPs time equal to bytes time", _HEAD_DIM_16, 5, 14, 2.0**40,
+     2.0**41),
+    ("the bf16 grouped-query Llama, 424 positions, cache bytes equal to weight bytes", 2, 1, 424, 2.0**40, 2.0**50),
+    ("the head_dim=16 Llama, batch 11, 14 positions, cache bytes equal to weight bytes", _HEAD_DIM_16, 11, 14,
+     2.0**40, 2.0**50),
 ]
 
 
@@ -556,6 +564,15 @@ def _check_pair(c, out):
 
 def _bound_message(c, bound):
     t = c["terms"]
+    if bound == "compute" and t["compute"] == t["memory"]:
+        return (f"{c['label']} (batch_size={c['B']}, seq_len={c['S']}): the FLOPs take exactly as long as all the "
+                f"bytes here ({t['compute']!r} s each), and you said 'compute': a tie is not compute-bound (the "
+                f"FLOPs must take strictly longer); the step is bound by {c['bound']!r}")
+    if bound == "cache" and c["bound"] == "weights" and t["cache"] == t["weights"]:
+        return (f"{c['label']} (batch_size={c['B']}, seq_len={c['S']}): the cache and the weights are the same "
+                f"number of bytes here ({t['cache_bytes']} each), and you said 'cache': the lab's rule gives a tie "
+                "between the two byte terms to 'weights' (and the weights term is everything but the cache: the "
+                "looked-up embedding rows belong to it, not to the cache)")
     return (f"{c['label']} (batch_size={c['B']}, seq_len={c['S']}): reading the weights takes {t['weights']:.3g} s, "
             f"the cache {t['cache']:.3g} s, the FLOPs {t['compute']:.3g} s; you said {bound!r}, the step is bound "
             f"by {c['bound']!r}: compute if the FLOPs take longer than ALL the bytes (weights + cache), else the "
@@ -574,6 +591,12 @@ def _crit_message(cases, crits):
     if got is None:
         return (f"{where}: a batch of {c['crit']} is compute-bound here; None is only for contexts where "
                 "each row's own bytes take longer than its FLOPs")
+    if got is not None and got < c["crit"]:
+        t = roofline.step_terms(c["model"], got, c["S"], c["bw"], c["fl"])
+        if t["compute"] == t["memory"]:
+            return (f"{where}: at batch {got} the FLOPs take exactly as long as the bytes ({t['compute']!r} s each), "
+                    "a tie, and a tie is not compute-bound: the critical batch is the smallest batch whose compute "
+                    "time is STRICTLY greater than its memory time")
     below = [c["crit"] - 1] if c["crit"] > 1 else []
     return where + ": " + "; ".join(_times_at(c, b) for b in below + [c["crit"]]) + ". The critical batch is the smallest " \
         "batch whose compute time is strictly greater than its memory time"
