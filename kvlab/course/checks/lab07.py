@@ -591,7 +591,7 @@ def _crit_message(cases, crits):
     if got is None:
         return (f"{where}: a batch of {c['crit']} is compute-bound here; None is only for contexts where "
                 "each row's own bytes take longer than its FLOPs")
-    if got is not None and got < c["crit"]:
+    if got < c["crit"]:
         t = roofline.step_terms(c["model"], got, c["S"], c["bw"], c["fl"])
         if t["compute"] == t["memory"]:
             return (f"{where}: at batch {got} the FLOPs take exactly as long as the bytes ({t['compute']!r} s each), "
