@@ -245,6 +245,28 @@ def test_the_watch_sees_the_library_one_step_removed():
     assert _ran(through_stdlib) == ["kvlab.paged.blocks_for"]
 
 
+def test_the_watch_sees_code_compiled_from_a_string():
+    """Kind 1, through exec: code with no file (exec, eval, what dataclasses generate) belongs to the
+    namespace it runs in. exec in the learner's namespace (a notebook's __main__, a fresh dict) is the
+    learner's code and its calls of the library are seen; exec in a kvlab module's namespace is that
+    module's code; a dataclass of the learner's own, and one of the library's made by the grader, are
+    not the learner running the library."""
+    import dataclasses
+    import kvlab.paged
+
+    pool, table = torch.randn(4, 1, 2, 3), [2, 0]
+    src = "def gather(pool, table, n):\n    return kvlab.paged.paged_gather(pool, table, n)\n"
+    for namespace in ({"kvlab": kvlab}, {"kvlab": kvlab, "__name__": "__main__"}):
+        exec(compile(src, "<string>", "exec"), namespace)  # noqa: S102 - the learner's exec
+        assert _ran(lambda: namespace["gather"](pool, table, 3)) == ["kvlab.paged.paged_gather"]
+    in_library = dict(vars(kvlab.paged))                 # the library's namespace: its own code
+    exec(compile("def peek(pool, table, n):\n    return paged_gather(pool, table, n)\n", "<string>", "exec"),
+         in_library)  # noqa: S102
+    assert "kvlab.paged.peek" in _ran(lambda: in_library["peek"](pool, table, 3))
+    mine = dataclasses.make_dataclass("Mine", [("n", int)])   # __init__ compiled from a string
+    assert _ran(lambda: mine(3)) == []
+
+
 def test_the_watch_lets_tools_given_things_and_the_graders_own_calls_through():
     """Unusual but allowed: a tool (validate, timing), what the exercise gives, a learner's own copy of the
     library's code, and the library called by the grader itself (not by the learner's code)."""

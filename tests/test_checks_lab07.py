@@ -103,6 +103,17 @@ WRONG_BYTES = {
     "fp32 assumed": (lambda m, B, S: right(m, B, S) * 4 // next(m.parameters()).element_size(), ["4 bytes"]),
     "head_dim from the width": (lambda m, B, S: _weights(m, B) + _kv(m, B, S, explicit_head_dim=False),
                                 ["head_dim", "explicitly"]),
+    # two mistakes at once: each named (a combined answer is not "no single known mistake")
+    "tables whole and the cache of one row": (
+        lambda m, B, S: sum(p.numel() * p.element_size() for p in m.parameters()) + _kv(m, 1, S),
+        ["2 mistakes at once", "look-up tables", "whole", "cache of ONE row"]),
+    "weights once per row, counted in parameters": (
+        lambda m, B, S: (_weights(m, B) * B + _kv(m, B, S)) // next(m.parameters()).element_size(),
+        ["2 mistakes at once", "once per row", "not bytes"]),
+    "no table rows, query heads, fp32 assumed": (
+        lambda m, B, S: (_weights(m, B, rows=0) + _kv(m, B, S, heads_field=("num_attention_heads",)))
+        * 4 // next(m.parameters()).element_size(),
+        ["3 mistakes at once", "left out the rows", "QUERY heads", "4 bytes"]),
     "returns a float": (lambda m, B, S: float(right(m, B, S)), ["Python int"]),
     "off by one byte everywhere": (lambda m, B, S: right(m, B, S) - 1,
                                    ["no single known mistake", "Wrong on 13 of 13", "(-1)"]),

@@ -293,6 +293,31 @@ class CacheFloat32Always(StaticKVCache):             # ignores its dtype argumen
         super().__init__(n_layer, batch_size, n_head, head_dim, max_len, torch.float32, device)
 
 
+class CacheNoDtype:                                  # torch.zeros without the dtype: float32 whatever it is given
+    def __init__(self, n_layer, batch_size, n_head, head_dim, max_len, dtype, device):
+        shape = (batch_size, n_head, max_len, head_dim)
+        self.k = [torch.zeros(shape, device=device) for _ in range(n_layer)]
+        self.v = [torch.zeros(shape, device=device) for _ in range(n_layer)]
+
+    def update(self, layer, k, v, pos):               # index_copy_ refuses another dtype: torch's own error
+        slots = pos + torch.arange(k.shape[2], device=k.device)
+        self.k[layer].index_copy_(2, slots, k)
+        self.v[layer].index_copy_(2, slots, v)
+        return self.k[layer], self.v[layer]
+
+    def reset(self):
+        for t in self.k + self.v:
+            t.zero_()
+
+
+def test_a_cache_without_its_dtype_is_named_before_torch_fails():
+    """Issue 34 (lab 8): a missing dtype used to surface as torch's raw index_copy_ error; the grader
+    now names it before the first update, for a buffer made without the dtype and one fixed to float32."""
+    for wrong in (CacheNoDtype, CacheFloat32Always):
+        msg = expect_rejected(check_static_cache, wrong, "torch.float64", "not made with the dtype")
+        assert "index_copy_" not in msg
+
+
 def test_no_recompile_checks_another_model():
     """Issue 34, kind 6: a hard-coded attention scale and a cache fixed to float32 pass every step on
     kvlab-tiny; a float64 GPT-2 with heads of 24 shows both. A correct pair passes there too."""

@@ -126,7 +126,7 @@ def _variant(**changes):
                 if seq.status is not Status.RUNNING or left == 0 or len(batch.work) == self.max_seqs:
                     continue
                 n = min(seq.to_compute, left)
-                while not self.blocks.can_hold(seq, seq.num_computed + n):
+                while not changes.get("run_unasked") and not self.blocks.can_hold(seq, seq.num_computed + n):
                     done = {id(s) for s, _ in batch.work}
                     pool = [s for s in self.running if id(s) not in done]
                     victim = pool[0] if changes.get("oldest_victim") else pool[-1]
@@ -140,7 +140,7 @@ def _variant(**changes):
                     left -= n
             queue = sorted(self.waiting, key=lambda s: s.num_tokens) if changes.get("shortest_first") \
                 else list(self.waiting)
-            if batch.preempted:
+            if batch.preempted and not changes.get("admit_after_preempt"):
                 queue = []
             for seq in queue:
                 if not left or len(self.running) >= self.max_seqs:
@@ -167,7 +167,11 @@ WRONG = [
     # issue 34, kind 7: prompt chunks before decodes, seen also when the step has no room left
     (_variant(chunks_first=True), ["is decoding and got no token", "decoding come first"]),
     # a raw OutOfBlocks from the learner's grant becomes a named failure
-    (_variant(grant_unasked=True), ["OutOfBlocks", "without first asking whether the pool can hold them"]),
+    (_variant(grant_unasked=True), ["OutOfBlocks", "without first asking whether the pool can hold them",
+                                    "was waiting", "the queue stops at the first", "rule 3"]),
+    # the same OutOfBlocks, three rules: each named from the grant that failed
+    (_variant(run_unasked=True), ["OutOfBlocks", "was running", "preempt the newest", "rule 2"]),
+    (_variant(grant_unasked=True, admit_after_preempt=True), ["just preempted", "admit no one"]),
     (_variant(shortest_first=True), ["first come, first served"]),
     (_variant(no_chunks=True), ["left waiting", "chunks"]),
     (_variant(cached_counted_twice=True), ["left waiting", "from the prefix cache", "room it does not need"]),
@@ -175,6 +179,7 @@ WRONG = [
 
 
 @pytest.mark.parametrize("impl,needles", WRONG, ids=["past-budget", "oldest-victim", "lost-tokens", "starves", "chunks-first", "grant-unasked",
+                                                      "run-unasked", "admit-after-preempt",
                                                       "overtakes", "no-chunks", "cached-twice"])
 def test_wrong_schedulers_rejected(impl, needles):
     message = expect_rejected(check_scheduler, impl, *needles)

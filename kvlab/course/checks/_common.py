@@ -619,6 +619,28 @@ def place(filename: str) -> str:
     return "third" if os.path.abspath(filename).startswith(_THIRD) else "learner"
 
 
+# Code compiled from a string by Python's own tools, whatever namespace it runs in.
+_GENERATED_THIRD = ("<timeit-src>", "<frozen ", "<eval_with_key")
+
+
+def frame_place(frame) -> str:
+    """Whose code a running frame holds: :func:`place` of its file, except for code compiled from a
+    string (``exec``, ``eval``, what dataclasses and namedtuple generate), which has no file: that
+    code belongs to the module it runs in. ``exec`` in a notebook's namespace (or in a fresh dict) is
+    the learner's code, and what it calls is watched like any other line of theirs; ``exec`` in a
+    kvlab module's namespace is that module's code."""
+    filename = frame.f_code.co_filename
+    if not filename.startswith("<") or filename.startswith(("<own copy", "<ipython") + _GENERATED_THIRD):
+        return place(filename)
+    module = frame.f_globals.get("__name__")
+    if module is None or module == "__main__":
+        return "learner"
+    if _in_kvlab(module):
+        return "tool" if module.startswith(TOOL_MODULES) else "library"
+    file = getattr(sys.modules.get(module), "__file__", None)     # a module of the learner's, or torch's
+    return place(file) if file else "third"
+
+
 def _given_codes(given) -> set:
     """The code objects of ``given``: functions, classes (every method of theirs and of their kvlab
     bases), or ``(class, names)`` (every method but ``names``: the ones the exercise asks for)."""
@@ -642,7 +664,7 @@ def _given_codes(given) -> set:
 
 
 def _name_of(frame) -> str:
-    module = _module_of(frame.f_code.co_filename) or "?"
+    module = _module_of(frame.f_code.co_filename) or frame.f_globals.get("__name__") or "?"
     return f"{module}.{getattr(frame.f_code, 'co_qualname', frame.f_code.co_name)}"
 
 
@@ -666,12 +688,12 @@ class LibraryWatch:
         if event != "call":
             return
         code = frame.f_code
-        if place(code.co_filename) != "library" or code in self.given:
+        if frame_place(frame) != "library" or code in self.given:
             return
         caller = frame.f_back
-        while caller is not None and place(caller.f_code.co_filename) == "third":
+        while caller is not None and frame_place(caller) == "third":
             caller = caller.f_back
-        if caller is not None and place(caller.f_code.co_filename) == "learner":
+        if caller is not None and frame_place(caller) == "learner":
             where = f"{caller.f_code.co_name} (line {caller.f_lineno})"
         elif code.co_argcount and code.co_varnames[0] in ("self", "cls"):
             obj = frame.f_locals.get(code.co_varnames[0])

@@ -293,6 +293,49 @@ _MISTAKES = [
 ]
 
 
+# Two mistakes at once: one in the weights a step reads, one in the cache, and maybe the element size
+# (each named by its row of _MISTAKES). A learner's answer made of two of them is named as both.
+_WEIGHT_TERMS = {
+    "tables whole": lambda c: c["W"],
+    "one row of each table": lambda c: c["W"] - c["L"] + c["row"],
+    "no table rows": lambda c: c["W"] - c["L"],
+    "tied head as rows": lambda c: _read(c) - c["head"] + c["B"] * c["head_row"],
+    "weights once per row": lambda c: _read(c) * c["B"],
+    "tied head twice": lambda c: _read(c) + c["head"],
+}
+_CACHE_TERMS = {
+    "cache left out": lambda c: 0,
+    "cache for one row": lambda c: c["C"] // c["B"],
+    "query heads for key/value heads": lambda c: c["C"] * c["q_per_kv"],
+    "head_dim from the width": lambda c: round(c["C"] * c["dim_ratio"]),
+}
+_UNIT_TERMS = {
+    "parameters, not bytes": lambda c, n: n // c["item"],
+    "4 bytes assumed": lambda c, n: n * 4 // c["item"],
+}
+
+
+def _explain_combined(cases, got) -> str | None:
+    """Two or three of the named mistakes together (a weights one, a cache one, an element size) that
+    give every answer and differ from the right one on at least two cases; else None."""
+    messages = {name: message for name, _, message in _MISTAKES}
+    weights = [(None, _read)] + list(_WEIGHT_TERMS.items())
+    caches = [(None, lambda c: c["C"])] + list(_CACHE_TERMS.items())
+    units = [(None, lambda c, n: n)] + list(_UNIT_TERMS.items())
+    for wname, w in weights:
+        for cname, k in caches:
+            for uname, u in units:
+                names = [n for n in (wname, cname, uname) if n is not None]
+                if len(names) < 2:
+                    continue
+                values = [u(c, w(c) + k(c)) for c in cases]
+                if values == got and sum(v != c["want"] for c, v in zip(cases, values)) >= 2:
+                    return (f"{len(names)} mistakes at once (each alone gives other answers; together they give "
+                            "every one of yours): " + "; AND ".join(f"({i + 1}) {messages[n]}"
+                                                                    for i, n in enumerate(names)))
+    return None
+
+
 def _as_int(value, label):
     if isinstance(value, (bool, float, torch.Tensor)):
         raise fail(NAME_BYTES, f"{label}: return a Python int, got {type(value).__name__} {value!r} "
@@ -353,7 +396,7 @@ def _grade_bytes(decode_step_bytes) -> None:
     stale = _stale_message(cases, got)
     if stale:
         raise fail(NAME_BYTES, stale)
-    why = _explain(cases, got, _MISTAKES, lambda c: c["want"])
+    why = _explain(cases, got, _MISTAKES, lambda c: c["want"]) or _explain_combined(cases, got)
     if why is None and all(g < c["W"] - c["L"] for c, g in zip(cases, got) if c["meta"] and g != c["want"]) \
             and any(c["meta"] and g != c["want"] for c, g in zip(cases, got)):
         why = ("on the meta device every tensor's data_ptr() is 0, so deduplicating by data_ptr keeps one "

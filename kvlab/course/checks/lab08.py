@@ -259,6 +259,12 @@ def check_static_cache(StaticKVCache) -> None:
     # (pos, T, rewind): a prefill, decode steps, a chunk, then a rewind over written slots.
     passes = [(0, 4, False), (4, 1, False), (5, 1, False), (6, 3, False), (3, 2, True), (5, 1, True)]
     cache = _make_cache(StaticKVCache, L, B, H, D, max_len, torch.float64)
+    bad = misplaced(list(held_tensors(cache)), "cpu", torch.float64)
+    if bad:      # before any update: a float32 buffer would make torch's own copy fail, unexplained
+        raise fail(NAME_CACHE, f"StaticKVCache({L}, {B}, {H}, {D}, {max_len}, torch.float64, 'cpu') holds "
+                               f"{', '.join(bad[:4])}: the buffers were not made with the dtype (and device) "
+                               "the constructor is given, so the model's keys (in that dtype) cannot be "
+                               "written into them. Pass both to every tensor you allocate")
     state = _fresh_state(L, B, H, D, max_len)
     _run_passes(cache, state, passes, gen, "a new cache")
     ptrs = list(state.ptr)

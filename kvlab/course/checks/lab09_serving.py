@@ -176,6 +176,23 @@ def _verify_fairness(sch, snap, batch, where, total) -> None:
 # check_scheduler
 
 
+def _unasked(refused) -> str:
+    """Which rule a grant the pool could not hold broke, from the grant itself."""
+    if refused is None:
+        return ("the blocks were taken outside the scheduler's grant: take them only through it, after asking "
+                "the pool whether it can hold them")
+    seq, n, waiting, preempted = refused
+    if waiting and preempted:
+        return (f"request {seq.rid} was waiting, and you admitted it with {n} token(s) in a step that had just "
+                f"preempted request {preempted[0].rid}: memory ran out in this step, so admit no one (rule 3)")
+    if waiting:
+        return (f"request {seq.rid} was waiting, and you admitted it with {n} token(s) the pool could not hold: "
+                "the queue stops at the first request the pool cannot hold; it waits until blocks are freed (rule 3)")
+    return (f"request {seq.rid} was running, and you gave it {n} token(s) the pool could not hold: when the pool "
+            "cannot hold a running sequence's tokens, preempt the newest running sequence that has not run in "
+            "this step, then try again (rule 2)")
+
+
 def _graded_class(Scheduler, title):
     class Graded(Scheduler):
         step = 0
@@ -186,19 +203,28 @@ def _graded_class(Scheduler, title):
             self.preempt_log.append((seq, done, list(self.running)))
             return super().preempt(seq, batch)
 
+        def grant(self, batch, seq, n):
+            """Logged when the pool cannot hold it: which sequence, running or waiting, after a preemption or not
+            (a scheduler may catch the OutOfBlocks and preempt; only one that escapes is judged)."""
+            waiting = seq.status is Status.WAITING
+            try:
+                return super().grant(batch, seq, n)
+            except OutOfBlocks:
+                self.refused_grant = (seq, n, waiting, list(batch.preempted))
+                raise
+
         def schedule(self):
             Graded.step += 1
-            self.preempt_log = []
+            self.preempt_log, self.refused_grant = [], None
             snap = _snapshot(self)
             try:
                 batch = Scheduler.schedule(self)
             except (AssertionError, NotImplementedError):
                 raise
             except OutOfBlocks as e:
-                raise fail(NAME_SCHED, f"case '{title}', step {Graded.step}: your schedule() granted "
-                                       f"blocks the pool did not have (OutOfBlocks: {e}): you granted without first asking "
-                                       "whether the pool can hold them; when it cannot, preempt by rule 2 or stop "
-                                       "admitting by rule 3") from None
+                raise fail(NAME_SCHED, f"case '{title}', step {Graded.step}: your schedule() granted blocks the "
+                                       f"pool did not have (OutOfBlocks: {e}): you granted without first asking "
+                                       "whether the pool can hold them: " + _unasked(self.refused_grant)) from None
             except Exception as e:  # noqa: BLE001
                 raise fail(NAME_SCHED, f"case '{title}', step {Graded.step}: your schedule() raised "
                                        f"{type(e).__name__}: {e}") from e
