@@ -48,3 +48,12 @@ def test_labs_link_back_and_no_dead_or_md_links():
     assert len([p for p in check_built_book.link_problems("book/ch01_x", CH1 + theme + binder) if ".md file" in p]) == 2
     fine = theme.replace("book/ch01_naive_generation.md", "labs/lab01_naive_generation.ipynb")
     assert check_built_book.link_problems("book/ch01_x", CH1 + fine) == []
+
+
+def test_a_lab_or_solution_page_with_outputs_fails():
+    executed = '<div class="cell_output docutils container"><pre>PASSED check_naive_generate</pre></div>'
+    for page in ("labs/lab01_naive_generation", "solutions/lab01_naive_generation"):
+        link = '<article><a href="../book/ch01_naive_generation.html">chapter 1</a></article>'
+        assert check_built_book.page_problems(page, link) == []
+        problems = check_built_book.page_problems(page, link + executed)
+        assert len(problems) == 1 and "shown unexecuted" in problems[0], problems
