@@ -243,7 +243,7 @@ def hf_comparison(hf, hf_draft, prompt, new_tokens: int, k: int, repeats: int,
 def plan_sizes(budget_s: float | None = None) -> dict:
     """Sizes for the run: the full book's, or ``KVLAB_QUICK``'s."""
     return timing.pick(
-        {"budget_s": budget_s or 60, "ks": [1, 2, 3, 4, 6], "prompts": 4, "prompt_len": 48, "new": 48},
+        {"budget_s": budget_s or 45, "ks": [1, 2, 3, 4, 6], "prompts": 4, "prompt_len": 48, "new": 48},
         {"budget_s": budget_s or 30, "ks": [1, 3], "prompts": 2, "prompt_len": 32, "new": 24})
 
 
