@@ -462,6 +462,13 @@ def test_sweep_plan(capsys):
         check_sweep_plan([1, 8, 4, 64], tiny, 64, bw, fl)
     with pytest.raises(AssertionError, match="positive ints"):
         check_sweep_plan([1, 2.0, 64], tiny, 64, bw, fl)
+    # the message says which part is short (issue 34 walkthrough: the critical batch itself counted as above)
+    with pytest.raises(AssertionError, match=rf"1 above it \(\[{2 * crit}\]; {crit} itself is neither\)"):
+        check_sweep_plan([1, 2, crit, 2 * crit], tiny, 64, bw, fl)
+    with pytest.raises(AssertionError, match=rf"the largest is {crit + 2}, below {2 * crit}"):
+        check_sweep_plan([1, 2, crit + 1, crit + 2], tiny, 64, bw, fl)
+    with pytest.raises(AssertionError, match=r"0 below it \(none\), 2 needed"):
+        check_sweep_plan([crit + 1, crit + 2, 2 * crit], tiny, 64, bw, fl)
     # a range and a numpy array are lists of batches too (issue 34, kind 8)
     check_sweep_plan(range(1, 2 * crit + 1), tiny, 64, bw, fl)
     check_sweep_plan(np.array([1, 2, crit + 1, 2 * crit]), tiny, 64, bw, fl)

@@ -449,6 +449,12 @@ def test_paged_generate_catches_leaks(tiny):
     assert "_Verdict" not in msg
 
 
+def test_a_leak_the_first_check_misses_points_at_the_allocator(tiny):
+    # the walkthrough's learner: copy-on-write keeps the old block's reference; allocate-then-free is fine
+    msg = expect_rejected(lambda a: check_paged_generate(a, paged_gather), LeakOnCopy, "blocks leaked")
+    assert "look at your BlockAllocator" in msg and "copy-on-write" in msg
+
+
 def test_paged_generate_wraps_exceptions(tiny):
     def broken(pool, table, n):
         raise IndexError("boom")

@@ -715,9 +715,18 @@ def _grade_sweep(batches, model, seq_len: int, bandwidth: float, flops: float,
         below, above = [b for b in batches if b < critical], [b for b in batches if b > critical]
         need_below = min(2, critical - 1)              # a critical batch of 1 or 2 leaves less room below
         if len(below) < need_below or len(above) < 2 or batches[-1] < 2 * critical:
+            short = []
+            if len(below) < need_below:
+                short.append(f"{len(below)} below it ({below or 'none'}), {need_below} needed")
+            if len(above) < 2:
+                short.append(f"{len(above)} above it ({above or 'none'}; {critical} itself is neither), 2 needed")
+            if batches[-1] < 2 * critical:
+                short.append(f"the largest is {batches[-1]}, below {2 * critical}")
             raise fail(NAME_SWEEP, f"the critical batch predicted for this machine is {critical}: measure at least "
                                    f"{need_below} batch(es) below it and two above, the largest at least "
-                                   f"{2 * critical}, so that the bend can be seen; BATCHES is {batches}")
+                                   f"{2 * critical}, so that the bend can be seen; BATCHES is {batches}: "
+                                   + "; ".join(short) + ". (The grader predicts it from the reference byte "
+                                   "and FLOP counts: if your CRIT printed another number, fix exercises 1-3 first)")
         return passed(NAME_SWEEP, f"the sweep {batches} reaches past the predicted critical batch {critical}")
     why = (f"no batch is compute-bound at {seq_len} positions on this machine" if critical is None else
            f"twice the critical batch ({2 * critical}) would not fit the budget (at most {fits} rows)")

@@ -491,7 +491,9 @@ def check_paged_generate(BlockAllocator, paged_gather) -> None:
     eng.close()
     if eng.blocks.num_free != _NB:
         raise fail(NAME_GEN, f"every request has finished and the prefix is released, yet only "
-                             f"{eng.blocks.num_free} of {_NB} blocks are free: blocks leaked")
+                             f"{eng.blocks.num_free} of {_NB} blocks are free: blocks leaked. Your gather only reads, so look "
+                             "at your BlockAllocator: a free that misses a block, or a copy-on-write that takes a new "
+                             "block without dropping the old one's reference (run check_block_allocator)")
     passed(NAME_GEN, f"{len(reqs)} requests through ragged steps ({eng.scheduler.preemptions} preemptions, "
                      f"{eng.blocks.copies} copy-on-write copies): every one equals its prompt served alone; "
                      "no block leaked")
