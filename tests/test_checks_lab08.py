@@ -293,13 +293,11 @@ class CacheFloat32Always(StaticKVCache):             # ignores its dtype argumen
         super().__init__(n_layer, batch_size, n_head, head_dim, max_len, torch.float32, device)
 
 
-class CacheNoDtype:                                  # torch.zeros without the dtype: float32 whatever it is given
-    def __init__(self, n_layer, batch_size, n_head, head_dim, max_len, dtype, device):
-        shape = (batch_size, n_head, max_len, head_dim)
-        self.k = [torch.zeros(shape, device=device) for _ in range(n_layer)]
-        self.v = [torch.zeros(shape, device=device) for _ in range(n_layer)]
+class _LayerLists:
+    """``update`` and ``reset`` over per-layer lists ``self.k`` / ``self.v``: the test caches below differ
+    only in how they make those buffers. ``index_copy_`` refuses keys of another dtype (torch's own error)."""
 
-    def update(self, layer, k, v, pos):               # index_copy_ refuses another dtype: torch's own error
+    def update(self, layer, k, v, pos):
         slots = pos + torch.arange(k.shape[2], device=k.device)
         self.k[layer].index_copy_(2, slots, k)
         self.v[layer].index_copy_(2, slots, v)
@@ -308,6 +306,13 @@ class CacheNoDtype:                                  # torch.zeros without the d
     def reset(self):
         for t in self.k + self.v:
             t.zero_()
+
+
+class CacheNoDtype(_LayerLists):                     # torch.zeros without the dtype: float32 whatever it is given
+    def __init__(self, n_layer, batch_size, n_head, head_dim, max_len, dtype, device):
+        shape = (batch_size, n_head, max_len, head_dim)
+        self.k = [torch.zeros(shape, device=device) for _ in range(n_layer)]
+        self.v = [torch.zeros(shape, device=device) for _ in range(n_layer)]
 
 
 def test_a_cache_without_its_dtype_is_named_before_torch_fails():
@@ -538,7 +543,7 @@ class CacheOnCpuAlways(StaticKVCache):                # ignores device=
         super().__init__(n_layer, batch_size, n_head, head_dim, max_len, dtype, "cpu")
 
 
-class CacheClassBuffers:                            # buffers on the class: every cache shares them
+class CacheClassBuffers(_LayerLists):               # buffers on the class: every cache shares them
     store = {}
 
     def __init__(self, n_layer, batch_size, n_head, head_dim, max_len, dtype=torch.float32, device="cpu"):
@@ -548,16 +553,6 @@ class CacheClassBuffers:                            # buffers on the class: ever
             CacheClassBuffers.store[key] = [[torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layer)]
                                             for _ in range(2)]
         self.k, self.v = CacheClassBuffers.store[key]
-
-    def update(self, layer, k, v, pos):
-        slots = pos + torch.arange(k.shape[2], device=k.device)
-        self.k[layer].index_copy_(2, slots, k)
-        self.v[layer].index_copy_(2, slots, v)
-        return self.k[layer], self.v[layer]
-
-    def reset(self):
-        for t in self.k + self.v:
-            t.zero_()
 
 
 def test_cache_accepts_a_list(capsys):
