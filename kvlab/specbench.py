@@ -21,6 +21,7 @@ Beside them, the theory (Leviathan et al., 2023, with ``V(k)`` in place of their
 
 from __future__ import annotations
 
+import logging
 import time
 
 import torch
@@ -113,7 +114,9 @@ def hub_pair(device="cpu"):
 def heldout_prompts(tok, n: int, length: int) -> list[torch.Tensor]:
     """``n`` prompts of ``length`` tokens from kvlab-tiny's held-out chapters (text no model trained on),
     evenly spaced through it."""
-    ids = tok((paths.TINY_DIR / "heldout.txt").read_text(), return_tensors="pt").input_ids[0]
+    # the whole text at once, longer than any model's context: verbose=False, no "indexing errors" warning
+    # (it is cut into prompts of ``length`` tokens below)
+    ids = tok((paths.TINY_DIR / "heldout.txt").read_text(), return_tensors="pt", verbose=False).input_ids[0]
     step = (len(ids) - length) // max(n, 1)
     return [ids[i * step:i * step + length][None] for i in range(n)]
 
@@ -230,10 +233,20 @@ def hf_comparison(hf, hf_draft, prompt, new_tokens: int, k: int, repeats: int,
     fns = {"transformers greedy": lambda: hf.generate(prompt, **common),
            "transformers assistant_model": lambda: hf.generate(prompt, assistant_model=hf_draft, **common),
            "transformers prompt lookup": lambda: hf.generate(prompt, prompt_lookup_num_tokens=k, **common)}
-    with torch.no_grad():
-        outs = {n: f() for n, f in fns.items()}
-    same = {n: torch.equal(o, outs["transformers greedy"]) for n, o in outs.items()}
-    return {"same": same, "timings": timing.compare(fns, warmup=0, repeats=repeats, progress=False, budget=budget)}
+    # transformers' assisted generation calls the draft's generate with a generation_config AND arguments
+    # of its own, and warns about it (generation/utils.py, "Passing `generation_config` together with
+    # ..."): its internals, not this call's; that one logger is quiet while these run
+    log = logging.getLogger("transformers.generation.utils")
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        with torch.no_grad():
+            outs = {n: f() for n, f in fns.items()}
+        same = {n: torch.equal(o, outs["transformers greedy"]) for n, o in outs.items()}
+        timings = timing.compare(fns, warmup=0, repeats=repeats, progress=False, budget=budget)
+    finally:
+        log.setLevel(level)
+    return {"same": same, "timings": timings}
 
 
 # ---------------------------------------------------------------------------------------------------

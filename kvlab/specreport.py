@@ -19,10 +19,10 @@ def rows(r: dict) -> list[dict]:
         timed = r["e2e"].get((name, k))
         out.append({"draft": name, "k": k, "alpha": a["alpha"], "tokens/step": a["tokens_per_step"],
                     "E(alpha,k)": expected_tokens(alpha, k), "c": c, "V(k)": v,
-                    "V floor": r["v_floor"][k] if r["v_floor"] else float("nan"),
+                    "V floor": r["v_floor"][k] if r["v_floor"] else None,        # None: a blank cell
                     "k*c+V(k)": k * c + v, "predicted": predicted_speedup(alpha, k, c, v),
-                    "measured": base / timed.median if timed else float("nan"),
-                    "step cost (clock)": a["tokens_per_step"] * timed.median / base if timed else float("nan"),
+                    "measured": base / timed.median if timed else None,
+                    "step cost (clock)": a["tokens_per_step"] * timed.median / base if timed else None,
                     "same tokens": a["same"]})
     return out
 
@@ -62,7 +62,7 @@ def plot(r: dict, model) -> None:
 
 
 def pays_sentences(r: dict) -> list[str]:
-    """Per draft, at the k the theory picked: faster or slower than plain greedy, or not told apart."""
+    """Per draft, at the k the theory picked: faster or slower than plain greedy, or no difference measured."""
     out = []
     for name, k in r["picks"].items():
         if (name, k) in r["e2e"]:
@@ -183,17 +183,23 @@ def step_trace(model, ids, new_tokens: int, draft, k: int, tok) -> list[dict]:
 
 
 def summary_sentence(r: dict) -> str:
-    """Where speculation paid, where it did not, and where the clock could not tell, at each draft's
-    picked k, with the part of the step that costs most when it did not pay."""
+    """Where speculation paid, where it did not, and where no difference was measured, at each draft's
+    picked k (worded by the verdict of :func:`kvlab.verdicts.compare_timings`: in every round, or in the
+    median with overlapping runs), with the part of the step that costs most when it did not pay."""
     won, lost, even = [], [], []
     for name, k in r["picks"].items():
         c = verdicts.compare_timings(r["e2e"][name, k], r["e2e"]["plain greedy"])
-        label = f"{name} (k={k}, {1 / c.ratio:.2f}x)"
-        (even if not c.apart else won if c.ratio < 1 else lost).append(label)
-        if c.apart and c.ratio > 1:
+        how = ("in every round" if c.verdict == "every round" else
+               f"in the median; runs overlap, {c.wins} of {c.rounds} rounds")
+        if c.verdict == "none":
+            even.append(f"{name} (k={k}, {1 / c.ratio:.2f}x)")
+        elif c.ratio < 1:
+            won.append(f"{name} (k={k}, {1 / c.ratio:.2f}x, {how})")
+        else:
             draft, verify = k * r["costs"]["c"][name], r["costs"]["V"][k]
-            lost[-1] += (f": a step's drafting ({draft:.2f} decode steps) and verifying ({verify:.2f}) cost more "
-                         f"than the {expected_tokens(r['alpha'][name], k):.2f} tokens it yields")
+            lost.append(f"{name} (k={k}, {1 / c.ratio:.2f}x, {how}): a step's drafting ({draft:.2f} decode steps) "
+                        f"and verifying ({verify:.2f}) cost more than the {expected_tokens(r['alpha'][name], k):.2f} "
+                        "tokens it yields")
     parts = [f"paid: {', '.join(won) or 'none'}", f"did not pay: {'; '.join(lost) or 'none'}",
-             f"not told apart from plain greedy: {', '.join(even) or 'none'}"]
+             f"no difference measured (medians within {verdicts.NOISE:.0%}): {', '.join(even) or 'none'}"]
     return f"{verdicts.on(r['device'])}, against plain greedy decoding, speculation " + "; ".join(parts)

@@ -156,13 +156,15 @@ def faster(a: Timing, b: Timing, device, name_a: str | None = None, name_b: str 
     name_a, name_b = name_a or a.label, name_b or b.label
     c = compare_timings(a, b, noise)
     how = f"medians of {c.n} interleaved run{'s' if c.n != 1 else ''} {on(device)}"
-    interval = f"time ratio {c.ratio:.2f}, {c.low:.2f} to {_num(c.high)} within the runs' spread"
     if c.verdict == "none":
         return (f"{name_a} and {name_b}: time ratio {c.ratio:.2f} ({c.low:.2f} to {_num(c.high)} within the runs' "
                 f"spread), {relation(c, name_a, name_b, noise=noise)}; {how}")
+    # the time ratio is always the faster one's over the slower one's (below 1), whatever the argument order
     win, lose = (name_a, name_b) if c.ratio < 1 else (name_b, name_a)
-    r = max(c.ratio, 1 / c.ratio)
-    return f"{win} is {r:.2f}x faster than {lose} ({interval}): {relation(c, win, lose, noise=noise)}; {how}"
+    ratio, low, high = ((c.ratio, c.low, c.high) if c.ratio < 1 else
+                        (1 / c.ratio, 1 / c.high if c.high else math.inf, 1 / c.low if c.low else math.inf))
+    interval = f"time ratio {ratio:.2f}, {low:.2f} to {_num(high)} within the runs' spread"
+    return f"{win} is {1 / ratio:.2f}x faster than {lose} ({interval}): {relation(c, win, lose, noise=noise)}; {how}"
 
 
 def _num(x: float) -> str:

@@ -96,6 +96,11 @@ WRONG_BYTES = {
     "cache left out": (lambda m, B, S: _weights(m, B), ["left the KV cache out"]),
     "cache for one row": (lambda m, B, S: _weights(m, B) + _kv(m, 1, S), ["cache of ONE row"]),
     "tied head twice": (lambda m, B, S: right(m, B, S) + _tied_head(m), ["tied LM head twice"]),
+    "state_dict() summed": (lambda m, B, S: sum(t.numel() * t.element_size() for t in m.state_dict().values())
+                            + _kv(m, B, S), ["state_dict()", "second time", "whole"]),
+    "state_dict() summed, the cache of one row": (
+        lambda m, B, S: sum(t.numel() * t.element_size() for t in m.state_dict().values()) + _kv(m, 1, S),
+        ["2 mistakes at once", "state_dict()", "cache of ONE row"]),
     "parameters, not bytes": (lambda m, B, S: right(m, B, S) // next(m.parameters()).element_size(),
                               ["parameters", "not bytes"]),
     "query heads": (lambda m, B, S: _weights(m, B) + _kv(m, B, S, heads_field=("num_attention_heads",)),
@@ -456,7 +461,7 @@ def test_sweep_plan(capsys):
     crit = roofline.critical_batch(tiny, 64, bw, fl)
     assert crit and crit > 3
     check_sweep_plan([1, 2, crit + 1, 2 * crit], tiny, 64, bw, fl)
-    with pytest.raises(AssertionError, match=f"predicted for this machine is {crit}"):
+    with pytest.raises(AssertionError, match=f"with a critical batch of {crit}"):
         check_sweep_plan([1, 2, crit + 1], tiny, 64, bw, fl)             # stops short of twice the batch
     with pytest.raises(AssertionError, match="grow strictly"):
         check_sweep_plan([1, 8, 4, 64], tiny, 64, bw, fl)
@@ -477,9 +482,9 @@ def test_sweep_plan(capsys):
 def test_sweep_plan_can_fail_where_there_is_no_bend(capsys):
     """Issue 34, kind 5: with no critical batch, or one whose twice does not fit, any list used to pass."""
     tiny = grading_model()[0]
-    with pytest.raises(AssertionError, match="no batch is compute-bound.*four batches spanning a factor of 8"):
+    with pytest.raises(AssertionError, match="no batch is compute-bound.*4 batches spanning a factor of 8"):
         check_sweep_plan([1, 2], tiny, 64, 1e9, 1e15)
-    with pytest.raises(AssertionError, match="four batches spanning"):
+    with pytest.raises(AssertionError, match="4 batches spanning"):
         check_sweep_plan([3, 4, 5, 6], tiny, 500, 1e9, 1e15)                # a second input: too narrow
     check_sweep_plan([1, 2, 4, 8], tiny, 64, 1e9, 1e15)
     assert "no batch is compute-bound" in capsys.readouterr().out
@@ -488,9 +493,85 @@ def test_sweep_plan_can_fail_where_there_is_no_bend(capsys):
         check_sweep_plan([1, 2, 4, 8], llama, 100_000, 1e12, 1e12)          # batch 8 does not fit
     # at 128 positions the critical batch (439 at these rates) is past what fits (128 rows): no bend
     assert roofline.critical_batch(llama, 128, 3.35e12, 990e12) > 128
-    with pytest.raises(AssertionError, match="would not fit the budget"):
+    with pytest.raises(AssertionError, match="would not fit"):
         check_sweep_plan([1, 2], llama, 128, 3.35e12, 990e12)
     check_sweep_plan([1, 4, 16, 128], llama, 128, 3.35e12, 990e12)
+
+
+# ---- the sweep planned by a function of (crit, fits): called on critical batches the lab never showed
+
+def _plan_ok(crit, fits):
+    if crit is not None and 2 * crit <= fits:
+        return sorted({b for b in (1, crit // 2, crit - 1) if 1 <= b < crit}
+                      | {b for b in (crit + 1, crit + 2, 2 * crit) if b <= fits})
+    top = fits if crit is None or crit > fits else max(crit, min(8, fits))
+    return sorted({1, 2, 4, 8, top} - {b for b in (2, 4, 8) if b > top}) if top >= 8 else list(range(1, top + 1))
+
+
+def _plan_range(crit, fits):
+    """Unusual but right: a numpy array, every batch from 1 up to twice the critical batch (or up to 16)."""
+    top = min(fits, max(2 * crit, crit + 2)) if crit is not None and 2 * crit <= fits else \
+        min(fits, max(16, crit or 0))
+    return np.arange(1, top + 1)
+
+
+def _typed(crit, fits):
+    return [1, 2, 51, 100]                     # this run's plan (CRIT=50), typed in
+
+
+def _capped(crit, fits):
+    return _plan_ok(min(crit, 512), fits) if crit is not None else _plan_ok(None, fits)
+
+
+def _none_unhandled(crit, fits):
+    return [1, crit // 2, crit + 1, 2 * crit]
+
+
+def _ignores_fits(crit, fits):
+    return _plan_ok(crit, 10 ** 9)
+
+
+def _four_above_only(crit, fits):                # the old "two above" where only one fits
+    if crit is not None and 2 * crit <= fits:
+        return [1, crit + 1, crit + 2, 2 * crit] if crit > 1 else [2, 3]
+    return _plan_ok(crit, fits)
+
+
+WRONG_PLANS = {
+    "typed in": (_typed, ["whatever crit and fits", "typed in"]),
+    "capped below the thousands": (_capped, ["CRIT=3000", "the largest is"]),
+    "None not handled": (_none_unhandled, ["raised TypeError", "CRIT is None"]),
+    "the budget ignored": (_ignores_fits, ["beyond the largest batch whose cache fits"]),
+    "too few below": (_four_above_only, ["1 below it", "2 needed"]),
+}
+
+
+@pytest.mark.parametrize("name", WRONG_PLANS)
+def test_sweep_plan_function_mistakes_rejected_by_name(name):
+    impl, needles = WRONG_PLANS[name]
+    tiny = grading_model()[0]
+    assert roofline.critical_batch(tiny, 64, 20e9, 200e9) == 50           # what _typed typed in
+    expect_rejected(lambda f: check_sweep_plan(f, tiny, 64, 20e9, 200e9), impl, *needles)
+
+
+@pytest.mark.parametrize("impl", [_plan_ok, _plan_range])
+def test_sweep_plan_function_unusual_correct_pass(impl, capsys):
+    tiny = grading_model()[0]
+    check_sweep_plan(impl, tiny, 64, 20e9, 200e9)
+    assert "other critical batches" in capsys.readouterr().out
+    check_sweep_plan(impl, tiny, 64, 1e9, 1e15)                          # no critical batch on this machine
+    assert "no batch is compute-bound" in capsys.readouterr().out
+
+
+def test_sweep_plan_function_right_elsewhere_wrong_here():
+    """A plan right on every unseen case but not on this run's numbers is named for this run."""
+    tiny = grading_model()[0]
+    crit = roofline.critical_batch(tiny, 64, 20e9, 200e9)
+
+    def wrong_here(c, fits):
+        return [1, 2, c, 2 * c] if c == crit else _plan_ok(c, fits)
+    expect_rejected(lambda f: check_sweep_plan(f, tiny, 64, 20e9, 200e9), wrong_here, f"CRIT={crit}",
+                    "itself is neither")
 
 
 # ---- overhead_fit

@@ -141,6 +141,16 @@ def test_a_large_gap_with_noisy_runs_is_reported_as_measured(where, a, b, lead, 
     assert verdict in text and "not told apart" not in text and "no difference" not in text
 
 
+def test_the_time_ratio_is_the_faster_over_the_slower_whatever_the_order():
+    """Issue 37 reread: "b is 1.30x faster than a (time ratio 1.30" read as b taking 1.3x a's time."""
+    a, b = Timing("a", [1.3, 1.31, 1.29, 1.3, 1.3]), Timing("b", [1.0, 1.01, 0.99, 1.0, 1.0])
+    one, other = verdicts.faster(a, b, CPU), verdicts.faster(b, a, CPU)
+    assert one.startswith("b is 1.30x faster than a (time ratio 0.77"), one
+    assert other.startswith("b is 1.30x faster than a (time ratio 0.77"), other
+    low, high = (float(x) for x in one.split("time ratio 0.77, ")[1].split(" within")[0].split(" to "))
+    assert low <= 0.77 <= high < 1
+
+
 def test_chapter_9s_best_of_leads_with_the_ratio():
     from kvlab.servingbench import best_of
     text = best_of({"continuous": [1.0, 1.0, 5.0], "reservation": [5.97, 6.1, 1.2]}, "p90 wait", CPU)
@@ -192,3 +202,38 @@ def test_chapter_8s_fastest_sentence_words_the_runner_up_by_the_verdict():
     assert "takes 1.09x as long: no difference measured (medians within 10%)." in text
     rows[1] = r(G.HAND_BUILT, [2.0, 2.1, 1.9], 8.8)
     assert "takes 2.00x as long: faster in every one of the 3 rounds." in sv.fastest_sentence(rows, "m")
+
+
+def _spec_run(spec_samples, base_samples):
+    """The least of a kvlab.specbench result that summary_sentence and rows read: one draft at k=2."""
+    return {"picks": {"bigram": 2}, "device": "cpu", "alpha": {"bigram": 0.6},
+            "costs": {"c": {"bigram": 0.05}, "V": {2: 1.1, 3: 1.2}}, "v_floor": {},
+            "acceptance": {("bigram", 2): {"alpha": 0.6, "tokens_per_step": 1.9, "same": True},
+                           ("bigram", 3): {"alpha": 0.6, "tokens_per_step": 2.1, "same": True}},
+            "e2e": {"plain greedy": Timing("plain", base_samples), ("bigram", 2): Timing("spec", spec_samples)}}
+
+
+def test_chapter_10s_summary_is_worded_by_the_verdict():
+    """Issue 37 reread: a draft that won every round was listed as "not told apart from plain greedy"
+    (the sentence sorted by the strict MAD test, not by the verdict)."""
+    from kvlab import specreport
+    won = _spec_run([0.5, 0.9, 0.3, 0.8, 0.45], [1.0, 1.4, 0.6, 1.5, 0.9])
+    assert verdicts.compare_timings(won["e2e"]["bigram", 2], won["e2e"]["plain greedy"]).reason == "spread"
+    text = specreport.summary_sentence(won)
+    assert "paid: bigram (k=2, 2.00x, in every round)" in text and "no difference measured" in text
+    assert text.endswith("no difference measured (medians within 10%): none"), text
+    overlap = specreport.summary_sentence(_spec_run([0.5, 1.2, 0.45, 0.7, 0.5], [1.0, 1.0, 1.1, 0.95, 1.5]))
+    assert "paid: bigram (k=2, 2.00x, in the median; runs overlap, 4 of 5 rounds)" in overlap
+    slow = specreport.summary_sentence(_spec_run([2.0, 2.1, 1.9, 2.0, 2.0], [1.0, 1.0, 1.1, 0.95, 1.0]))
+    assert "did not pay: bigram (k=2, 0.50x, in every round): a step's drafting" in slow
+    even = specreport.summary_sentence(_spec_run([1.0, 1.02, 0.98, 1.0, 1.0], [1.0, 1.01, 0.99, 1.0, 1.0]))
+    assert "paid: none" in even and even.endswith("(medians within 10%): bigram (k=2, 1.00x)")
+
+
+def test_chapter_10s_untimed_cells_are_blank_not_nan():
+    from kvlab import specreport
+    rows = specreport.rows(_spec_run([0.5] * 3, [1.0] * 3))
+    untimed = next(r for r in rows if r["k"] == 3)
+    assert untimed["measured"] is None and untimed["step cost (clock)"] is None and untimed["V floor"] is None
+    from kvlab.tables import _cell
+    assert _cell(untimed["measured"], ".2f") == ""

@@ -278,6 +278,10 @@ _MISTAKES = [
      "you counted the tied LM head twice: its weight IS the token-embedding matrix, one tensor read "
      "once. model.parameters() lists it once (state_dict() and named_parameters(remove_duplicate=False) "
      "list it twice)"),
+    ("state_dict() summed", lambda c: c["W"] + c["head"] + c["C"],
+     "you summed state_dict() (or named_parameters(remove_duplicate=False)): it lists the tied LM head a "
+     "second time, under its own name, and keeps every look-up table whole. Count each tensor once "
+     "(model.parameters()) and, of a look-up table, the batch_size rows a step reads"),
     ("parameters, not bytes", lambda c: c["want"] // c["item"],
      "you counted parameters and cached elements, not bytes: multiply each by its element size "
      "(p.element_size(), or dtype.itemsize)"),
@@ -302,6 +306,7 @@ _WEIGHT_TERMS = {
     "tied head as rows": lambda c: _read(c) - c["head"] + c["B"] * c["head_row"],
     "weights once per row": lambda c: _read(c) * c["B"],
     "tied head twice": lambda c: _read(c) + c["head"],
+    "state_dict() summed": lambda c: c["W"] + c["head"],
 }
 _CACHE_TERMS = {
     "cache left out": lambda c: 0,
@@ -680,16 +685,16 @@ check_bound_and_critical.__doc__ = ("Grade ``bound_and_critical(model, batch_siz
 # The measurement: a sweep past the predicted bend, and the measurement set against the prediction
 
 
-def _as_batches(batches) -> list[int]:
+def _as_batches(batches, what: str = "BATCHES") -> list[int]:
     """A list, tuple, range or numpy array of positive ints (numpy's too), growing strictly."""
     try:
         out = list(batches.tolist() if hasattr(batches, "tolist") else batches)
     except TypeError:
         out = None
     if not out or any(isinstance(b, bool) or not isinstance(b, numbers.Integral) or b < 1 for b in out):
-        raise fail(NAME_SWEEP, f"BATCHES must be a list of positive ints, got {batches!r}")
+        raise fail(NAME_SWEEP, f"{what} must be a list of positive ints, got {batches!r}")
     if out != sorted(set(out)):
-        raise fail(NAME_SWEEP, f"BATCHES must grow strictly, got {out}")
+        raise fail(NAME_SWEEP, f"{what} must grow strictly, got {out}")
     return [int(b) for b in out]
 
 
@@ -698,45 +703,107 @@ def _largest_fitting(model, seq_len, budget_bytes) -> int:
     return max(1, int(budget_bytes // per_row)) if per_row else 1 << 30
 
 
+def _sweep_problem(batches: list[int], critical: int | None, fits: int) -> str | None:
+    """What the sweep ``batches`` lacks for a critical batch ``critical`` (None: no batch is
+    compute-bound) when at most ``fits`` rows' cache fits the budget; None if it lacks nothing.
+    With a critical batch ``c`` whose twice fits: at least min(2, c - 1) batches below ``c``, two above,
+    the largest at least ``2c``. Else: at least min(4, fits) batches spanning a factor of 8 (or up to
+    ``fits``), and past ``c`` when ``c`` itself fits."""
+    if batches[-1] > fits:
+        return f"batch {batches[-1]} is beyond the largest batch whose cache fits the budget ({fits})"
+    if critical is not None and 2 * critical <= fits:
+        below, above = [b for b in batches if b < critical], [b for b in batches if b > critical]
+        need_below = min(2, critical - 1)              # a critical batch of 1 or 2 leaves less room below
+        need_above = min(2, fits - critical)         # with CRIT=1 and 2 rows fitting, only batch 2 is above
+        short = []
+        if len(below) < need_below:
+            short.append(f"{len(below)} below it ({below or 'none'}), {need_below} needed")
+        if len(above) < need_above:
+            short.append(f"{len(above)} above it ({above or 'none'}; {critical} itself is neither), "
+                         f"{need_above} needed")
+        if batches[-1] < 2 * critical:
+            short.append(f"the largest is {batches[-1]}, below {2 * critical}")
+        return (f"with a critical batch of {critical} (twice it fits: at most {fits} rows), measure at least "
+                f"{need_below} batch(es) below it and {need_above} above, the largest at least {2 * critical}, so that "
+                "the bend can be seen; " + "; ".join(short)) if short else None
+    why = ("no batch is compute-bound" if critical is None else
+           f"twice the critical batch {critical} would not fit (at most {fits} rows)")
+    reach = critical if critical is not None and critical <= fits else 1
+    need, span = min(4, fits), min(8 * batches[0], fits)
+    if len(batches) < need or batches[-1] < span or batches[-1] < reach:
+        return (f"{why}: there is no bend to reach, so measure how the step grows: at least {need} batches "
+                f"spanning a factor of 8 or more (or up to {fits}, the most that fits)"
+                + (f", past the critical batch {critical}" if reach > 1 else "") + f", within {fits} rows")
+    return None
+
+
+def _plan_cases(critical, fits):
+    """(label, crit, fits) a plan is called on: this run's first, then the edges of the contract (no
+    critical batch, one of 1 and 2, one in the thousands, twice it just fitting and just not, one
+    that does not fit at all, a budget of a few rows), in pairs that differ in one argument."""
+    return [(f"this run (CRIT={critical}, {fits} rows fit)", critical, fits),
+            ("no critical batch, 4096 rows fit", None, 4096), ("no critical batch, 5 rows fit", None, 5),
+            ("CRIT=1", 1, 4096), ("CRIT=1, 2 rows fit", 1, 2), ("CRIT=2", 2, 4096), ("CRIT=3", 3, 4096), ("CRIT=39", 39, 4096),
+            ("CRIT=189", 189, 4096), ("CRIT=3000 (in the thousands), 100000 rows fit", 3000, 100_000),
+            ("CRIT=7, exactly 14 rows fit (twice it just fits)", 7, 14),
+            ("CRIT=7, 13 rows fit (twice it does not)", 7, 13),
+            ("CRIT=600, 1000 rows fit (CRIT fits, twice it does not)", 600, 1000),
+            ("CRIT=5000, 1000 rows fit (CRIT itself does not)", 5000, 1000)]
+
+
+def _grade_plan(plan, critical, fits) -> list[int]:
+    """Call ``plan(crit, fits)`` on this run's numbers and on unseen ones; every answer must meet the
+    rules. Returns this run's plan."""
+    answers = []
+    for label, crit, rows in _plan_cases(critical, fits):
+        try:
+            with _deadline(TIME_LIMIT_S):
+                out = plan(crit, rows)
+        except _TooSlow:
+            raise fail(NAME_SWEEP, f"plan_batches({crit!r}, {rows!r}) <{label}> did not return within "
+                                   f"{TIME_LIMIT_S:.0f} s") from None
+        except (GraderFailure, NotImplementedError):
+            raise
+        except Exception as e:  # noqa: BLE001 - the learner's exception becomes a pointed message
+            raise fail(NAME_SWEEP, f"plan_batches({crit!r}, {rows!r}) <{label}> raised {type(e).__name__}: {e}"
+                                   + (" (CRIT is None when no batch is compute-bound: handle it)"
+                                      if crit is None else "")) from None
+        batches = _as_batches(out, f"what plan_batches({crit!r}, {rows!r}) <{label}> returns")
+        answers.append(batches)
+        problem = _sweep_problem(batches, crit, rows)
+        if problem:
+            typed = len(answers) > 1 and all(a == answers[0] for a in answers)
+            raise fail(NAME_SWEEP, (f"plan_batches returned {batches} for every case so far, whatever crit and "
+                                    "fits: numbers typed in fit one run only. Compute the plan from its "
+                                    "arguments. Here: " if typed else "")
+                       + f"plan_batches({crit!r}, {rows!r}) <{label}> returned {batches}: {problem}")
+    return answers[0]
+
+
 def _grade_sweep(batches, model, seq_len: int, bandwidth: float, flops: float,
                  budget_bytes: float = 2 * 2**30) -> None:
-    """The sweep the lab asks for. Its cache must fit ``budget_bytes`` at every batch. With a critical
-    batch ``c`` whose twice fits: at least min(2, c - 1) batches below ``c``, two above, the largest
-    at least ``2c``. Else (no ``c``, or ``2c`` does not fit): at least four batches spanning a factor 8
-    or more (the step growing through the cache), and past ``c`` when ``c`` itself fits."""
-    batches = _as_batches(batches)
+    """The sweep the lab asks for (see :func:`_sweep_problem`), its cache within ``budget_bytes`` at
+    every batch. ``batches`` is the learner's ``plan_batches(crit, fits)`` (called on this machine's
+    critical batch and on unseen ones) or the list it planned."""
     critical = roofline.critical_batch(model, seq_len, bandwidth, flops)
     fits = _largest_fitting(model, seq_len, budget_bytes)
+    planned = callable(batches)
+    batches = _grade_plan(batches, critical, fits) if planned else _as_batches(batches)
     if batches[-1] > fits:
         raise fail(NAME_SWEEP, f"at batch {batches[-1]} the cache of {seq_len} positions takes "
                                f"{roofline.cache_read_bytes(model, batches[-1], seq_len) / 2**30:.2f} GiB, beyond the "
                                f"lab's budget of {budget_bytes / 2**30:.1f} GiB: the largest batch that fits is {fits}")
+    problem = _sweep_problem(batches, critical, fits)
+    if problem:
+        raise fail(NAME_SWEEP, f"on this machine at {seq_len} positions, {problem}; BATCHES is {batches}. (The "
+                               "grader predicts the critical batch from the reference byte and FLOP counts: if your "
+                               "CRIT printed another number, fix exercises 1-3 first)")
+    cases = f" and on {len(_plan_cases(critical, fits)) - 1} other critical batches and budgets" if planned else ""
     if critical is not None and 2 * critical <= fits:
-        below, above = [b for b in batches if b < critical], [b for b in batches if b > critical]
-        need_below = min(2, critical - 1)              # a critical batch of 1 or 2 leaves less room below
-        if len(below) < need_below or len(above) < 2 or batches[-1] < 2 * critical:
-            short = []
-            if len(below) < need_below:
-                short.append(f"{len(below)} below it ({below or 'none'}), {need_below} needed")
-            if len(above) < 2:
-                short.append(f"{len(above)} above it ({above or 'none'}; {critical} itself is neither), 2 needed")
-            if batches[-1] < 2 * critical:
-                short.append(f"the largest is {batches[-1]}, below {2 * critical}")
-            raise fail(NAME_SWEEP, f"the critical batch predicted for this machine is {critical}: measure at least "
-                                   f"{need_below} batch(es) below it and two above, the largest at least "
-                                   f"{2 * critical}, so that the bend can be seen; BATCHES is {batches}: "
-                                   + "; ".join(short) + ". (The grader predicts it from the reference byte "
-                                   "and FLOP counts: if your CRIT printed another number, fix exercises 1-3 first)")
-        return passed(NAME_SWEEP, f"the sweep {batches} reaches past the predicted critical batch {critical}")
+        return passed(NAME_SWEEP, f"the sweep {batches} reaches past the predicted critical batch {critical}{cases}")
     why = (f"no batch is compute-bound at {seq_len} positions on this machine" if critical is None else
            f"twice the critical batch ({2 * critical}) would not fit the budget (at most {fits} rows)")
-    reach = critical if critical is not None and critical <= fits else 1
-    if len(batches) < 4 or batches[-1] < 8 * batches[0] or batches[-1] < reach:
-        raise fail(NAME_SWEEP, f"{why}: there is no bend to reach here, so measure how the step grows: at least "
-                               "four batches spanning a factor of 8 or more"
-                               + (f", past the critical batch {critical}" if reach > 1 else "")
-                               + f", within the budget (at most {fits} rows); BATCHES is {batches}")
-    passed(NAME_SWEEP, f"{why}; the sweep {batches} shows how the step grows: say so beside your plot")
+    passed(NAME_SWEEP, f"{why}; the sweep {batches} shows how the step grows{cases}: say so beside your plot")
 
 
 check_sweep_plan = _public(_grade_sweep)
