@@ -24,7 +24,8 @@ def device_name(device) -> str:
                 break
     except OSError:
         pass
-    return f"CPU {cpu} ({os.cpu_count()} logical cores, {torch.get_num_threads()} torch threads)"
+    n = torch.get_num_threads()
+    return f"CPU {cpu} ({os.cpu_count()} logical cores, {n} torch thread{'' if n == 1 else 's'})"
 
 
 def describe(model) -> str:
@@ -73,7 +74,8 @@ def stamp(model, device=None) -> str:
 
     device = device or next(model.parameters()).device
     dev = device_name(device).split(" (")[0] if torch.device(device).type == "cpu" else device_name(device)
-    threads = f", {torch.get_num_threads()} threads" if torch.device(device).type == "cpu" else ""
+    n = torch.get_num_threads()
+    threads = f", {n} thread{'' if n == 1 else 's'}" if torch.device(device).type == "cpu" else ""
     return (f"{dev}{threads} | {getattr(model, 'kvlab_name', '?')} ({getattr(model, 'kvlab_kind', '?')}) | "
             f"torch {torch.__version__}, transformers {transformers.__version__}")
 

@@ -110,19 +110,26 @@ def measure(hf, prompt_len: int, new_tokens: int, threads: int | None = None, re
     device = next(hf.parameters()).device
     if device.type == "cpu" and threads:
         torch.set_num_threads(threads)     # before compiling: inductor's C++ uses this many threads
+    from . import compilecount
+
     ours = ours or gpt2.GPT2.from_hf(hf)
+    # the machine first: its read probes compile kernels of their own, which are not the generators' graphs
+    m = probes.machine(device, roofline.model_dtype(hf), verbose=False)
     torch._dynamo.reset()                  # compile from scratch: the first calls below pay for it
     g = torch.Generator().manual_seed(1)
     prompt = torch.randint(0, hf.config.vocab_size, (1, prompt_len), generator=g).to(device)
-    runs, decoders = G.roster(hf, ours, prompt, new_tokens, VARIANTS)
-    first = {name: time_first_call(runs[name], device) for name in G.COMPILED}
-    _check_tokens(runs, hf, prompt_len, new_tokens)
-    m = probes.machine(device, roofline.model_dtype(hf), verbose=False)
-    products = matvec_fn(ours)             # timed with the generators, under the same conditions
-    res = timing.compare({**runs, "matvec": lambda: [products() for _ in range(new_tokens)]}, warmup=0,
-                         repeats=repeats, progress=progress)
+    with compilecount.counting() as counts:    # what torch counts for the generators alone, timing included
+        runs, decoders = G.roster(hf, ours, prompt, new_tokens, VARIANTS)
+        first = {name: time_first_call(runs[name], device) for name in G.COMPILED}
+        _check_tokens(runs, hf, prompt_len, new_tokens)
+        products = matvec_fn(ours)             # timed with the generators, under the same conditions
+        res = timing.compare({**runs, "matvec": lambda: [products() for _ in range(new_tokens)]}, warmup=0,
+                             repeats=repeats, progress=progress)
     matvec = res.pop("matvec").median / new_tokens
-    return _rows(hf, res, first, matvec, m, prompt_len, new_tokens, decoders)
+    rows = _rows(hf, res, first, matvec, m, prompt_len, new_tokens, decoders)
+    for r in rows:
+        r["torch_counts"] = counts             # the same dict for every row of this model
+    return rows
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -148,6 +148,7 @@ class Budget:
         self.done: list = []
         self.skipped: list = []
         self.elapsed = 0.0
+        self.predicted = 0.0       # the seconds the first point left out was judged to need
         self.unit = "points"
 
     def points(self, grid, size: Callable[[object], float] = float, _unit: str = "points"):
@@ -158,7 +159,7 @@ class Budget:
             if i >= self.keep and last is not None:
                 t, s = last
                 if self.elapsed + t * max(size(p) / s, 1.0) > self.seconds:
-                    self.skipped = grid[i:]
+                    self.skipped, self.predicted = grid[i:], t * max(size(p) / s, 1.0)
                     return
             t0 = time.perf_counter()
             yield p
@@ -180,9 +181,11 @@ class Budget:
         n = len(self.done) + len(self.skipped)
         left = (f"{self.unit} {len(self.done) + 1} to {n}" if len(self.skipped) > 1 else f"{self.unit.removesuffix('s')} {n}") \
             if self.unit != "points" else str(self.skipped)
-        return (f"{self.what}: its time budget of {self.seconds:.3g} s was spent after {len(self.done)} of {n} "
-                f"{self.unit} ({self.elapsed:.3g} s on this machine, as loaded as it was); "
-                f"not measured: {left}. A faster or quieter machine measures {'them' if len(self.skipped) > 1 else 'it'}.")
+        them = "them" if len(self.skipped) > 1 else "it"
+        return (f"{self.what}: {len(self.done)} of {n} {self.unit} measured in {self.elapsed:.3g} s of its "
+                f"{self.seconds:.3g} s budget; the next was judged to need about {self.predicted:.3g} s more (the "
+                f"last one's time, scaled by its size), past the budget, so not measured: {left}. A machine "
+                f"that runs these faster measures {them}, as does KVLAB_BUDGET_SCALE=2.")
 
     def report(self) -> None:
         if self.note:

@@ -20,7 +20,11 @@ def print_rows(rows: list[dict]) -> None:
                "of read probe": f"{r['of_probe']:.0%}",
                "tokens equal to fp32's": f"{r['same_as_fp32']} of {r['new_tokens']}"} for r in mine],
              caption=f"{model}, {mine[0]['threads']} thread(s), {mine[0]['device']}, prompt {mine[0]['prompt_len']} + "
-                     f"{mine[0]['new_tokens']} new tokens; read probe {mine[0]['bandwidth'] / 1e9:.1f} GB/s")
+                     f"{mine[0]['new_tokens']} new tokens; read probe {mine[0]['bandwidth'] / 1e9:.1f} GB/s; each floor "
+                     "its bytes over the probe or its FLOPs at its dtype's measured matmul rate, whichever is longer. "
+                     "Tokens equal to fp32's: up to the first difference, on this run's prompt of random tokens, "
+                     "where the model is unsure and a rounding flips an argmax sooner than on the held-out text "
+                     "of the quality table")
 
 
 def quality_sentence(rows: list[dict]) -> str:
@@ -47,15 +51,53 @@ def format_sentences(rows: list[dict]) -> list[str]:
             base = _row(rows, model, "fp32", how)
             for r in (x for x in rows if x["model"] == model and x["generator"] == how and x is not base):
                 speed = base["per_token"] / r["per_token"]
-                predicted = base["floor_per_token"] / r["floor_per_token"]
                 c = verdicts.compare_timings(r["timing"], base["timing"])
                 win, lose = (r["weights"], "fp32") if r["per_token"] <= base["per_token"] else ("fp32", r["weights"])
                 said = verdicts.relation(c, win, lose)
                 out.append(f"{model}, {how}, {dev}: {r['weights']} weights run at {speed:.2f}x the speed of fp32 "
-                           f"(their floor is {predicted:.2f}x lower), {r['x_floor']:.2f}x their own floor at "
+                           f"({floor_words(r, base)}), {r['x_floor']:.2f}x their own floor at "
                            f"{r['of_probe']:.0%} of the read probe; "
                            + (said if c.verdict == "none" else f"{win} {said}") + ".")
     return out
+
+
+def _bound(r: dict) -> str:
+    """What sets a row's floor: its bytes, or the arithmetic at its dtype's measured matmul rate."""
+    if r["floor_per_token"] > r["bytes_floor_per_token"] * (1 + 1e-9):
+        return f"{str(r['flops_dtype']).replace('torch.', '')} arithmetic at {r['flops_rate'] / 1e9:.0f} GFLOP/s measured"
+    return "its bytes"
+
+
+def floor_words(r: dict, base: dict) -> str:
+    """A format's floor against fp32's, in the right direction, and what sets each: "their floor is
+    1.92x lower (set by its bytes)", or "8.27x higher: set by bf16 arithmetic at 12 GFLOP/s measured,
+    where fp32's is set by its bytes" (a device whose bf16 matmuls are slow)."""
+    ratio = base["floor_per_token"] / r["floor_per_token"]
+    if abs(ratio - 1) < 1e-3:
+        return f"the same floor as fp32's, set by {_bound(r)}"
+    if ratio > 1:
+        return f"their floor is {ratio:.2f}x lower, set by {_bound(r)}"
+    return (f"their floor is {1 / ratio:.2f}x HIGHER than fp32's: set by {_bound(r)}, where fp32's is set by "
+            f"{_bound(base)}; by bytes alone it would be {base['bytes_floor_per_token'] / r['bytes_floor_per_token']:.2f}x lower")
+
+
+def formats_takeaway(rows: list[dict], how: str = "compiled") -> str:
+    """One line per smaller format of the run: its floor against fp32's (which way, and what sets it)
+    and the speed the ``how`` generator measured against fp32's, on the device of the run."""
+    lines = []
+    for model in dict.fromkeys(r["model"] for r in rows):
+        mine = [r for r in rows if r["model"] == model and r["generator"] == how]
+        base = next((r for r in mine if r["weights"] == "fp32"), None)
+        if base is None:
+            continue
+        dev = verdicts.on(base["device"], base["threads"])
+        for r in (x for x in mine if x is not base):
+            c = verdicts.compare_timings(r["timing"], base["timing"])
+            said = ("no difference measured" if c.verdict == "none" else
+                    f"{'faster' if c.ratio < 1 else 'slower'} than fp32, {verdicts.WORDS[c.verdict].split(' ', 1)[1]}")
+            lines.append(f"{model}, {r['weights']}: {floor_words(r, base)}; measured {base['per_token'] / r['per_token']:.2f}x "
+                         f"fp32's speed ({said}), {dev}")
+    return "\n".join(lines) or f"no {how} rows were measured in this run"
 
 
 def print_crossover(rows: list[dict], name: str) -> None:

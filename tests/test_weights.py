@@ -189,15 +189,20 @@ def test_format_sentences_follow_the_measured_ratio():
     from kvlab import weightview
     from kvlab.timing import Timing
 
-    def row(fmt, samples, floor):
+    def row(fmt, samples, floor, bytes_floor=None):
         t = Timing(fmt, samples)
         return dict(model="m", weights=fmt, generator="eager", per_token=t.median, floor_per_token=floor,
+                    bytes_floor_per_token=bytes_floor or floor, flops_rate=12e9, flops_dtype=torch.bfloat16,
                     x_floor=t.median / floor, of_probe=0.5, timing=t, device="cpu", threads=1)
     rows = [row("fp32", [2.0, 2.1, 1.9], 1.0), row("int8", [1.0, 1.05, 0.95], 0.25),
-            row("bf16", [2.05, 2.0, 2.1], 0.5), row("slow", [4.0, 4.1, 3.9], 0.5)]
+            row("bf16", [2.05, 2.0, 2.1], 0.5), row("slow", [4.0, 4.1, 3.9], 0.5),
+            # issue 37 reread: a floor set by slow bf16 arithmetic, 8.27x fp32's, was printed "0.12x lower"
+            row("bf16-slow-arith", [8.0, 8.1, 7.9], 8.27, bytes_floor=0.5)]
     text = weightview.format_sentences(rows)
-    int8, bf16, slow = text
-    assert "int8 weights run at 2.00x the speed of fp32 (their floor is 4.00x lower)" in int8
+    int8, bf16, slow, arith = text
+    assert "int8 weights run at 2.00x the speed of fp32 (their floor is 4.00x lower, set by its bytes)" in int8
+    assert "their floor is 8.27x HIGHER than fp32's: set by bfloat16 arithmetic at 12 GFLOP/s measured" in arith
+    assert "by bytes alone it would be 2.00x lower" in arith and "0.12x" not in arith
     assert "int8 faster in every one of the 3 rounds" in int8 and "1 torch thread" in int8
     assert "no difference measured" in bf16 and "faster" not in bf16.split(";")[-1]
     assert "0.50x the speed of fp32" in slow and "fp32 faster in every one" in slow
