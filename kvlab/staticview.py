@@ -9,7 +9,7 @@ from . import plots, verdicts
 from .cache import EMPTY, visible
 from . import generators as G
 from .staticbench import VARIANTS
-from .tables import show
+from .tables import show, signed_pct
 
 
 def print_static_mask(pos: int, T: int, max_len: int, stale_from: int) -> None:
@@ -135,7 +135,7 @@ def remains_sentences(rows, model) -> list[str]:
                       f"its guards) {rest * 1e3:.3f} ms" if rest >= 0 else
                       f"longer than the whole compiled step by {-rest * 1e3:.3f} ms (timed apart, in eager calls)"))
     out.append(f"  floor if attention reads all {slots} slots of the static buffers (dense attention with a mask): "
-               f"{r['static_floor'] * 1e3:.3f} ms, {r['static_floor'] / r['floor_per_token'] - 1:+.1%} on the floor "
+               f"{r['static_floor'] * 1e3:.3f} ms, {signed_pct(r['static_floor'] / r['floor_per_token'] - 1, 1)} on the floor "
                "of the filled cache")
     if auto.get("matvec") == "reduction":
         out.append(f"  the same step with its products as reductions compiled by inductor: {auto['per_token'] * 1e3:.3f} "

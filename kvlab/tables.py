@@ -33,6 +33,13 @@ def _cell(value, fmt) -> str:
     return str(value)
 
 
+def signed_pct(x: float, digits: int = 2) -> str:
+    """A relative change as a signed percentage, ``"+0.31%"``; one that rounds to zero at ``digits``
+    is ``"0.00%"``, never ``"-0.00%"``."""
+    text = f"{x:+.{digits}%}"
+    return text[1:] if float(text[1:-1]) == 0 else text
+
+
 _JOINT = re.compile(r"(?<=\w{3})([/_])(?=\w{3})")
 
 

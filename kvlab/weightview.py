@@ -6,7 +6,7 @@ Presentation only: nothing here times or runs a model.
 from __future__ import annotations
 
 from . import verdicts
-from .tables import show
+from .tables import show, signed_pct
 from .weightbench import measured_crossover
 
 
@@ -30,7 +30,7 @@ def print_rows(rows: list[dict]) -> None:
 def quality_sentence(rows: list[dict]) -> str:
     """How far each format's held-out perplexity is from fp32's, from the quality rows."""
     base = next(r for r in rows if r["weights"] == "fp32")
-    parts = [f"{r['weights']} {r['perplexity']:.2f} ({r['perplexity'] / base['perplexity'] - 1:+.2%})"
+    parts = [f"{r['weights']} {r['perplexity']:.2f} ({signed_pct(r['perplexity'] / base['perplexity'] - 1, 2)})"
              for r in rows if r is not base]
     sizes = ", ".join(f"{r['weight_mb']:.1f}" for r in rows)
     return f"Held-out perplexity: fp32 {base['perplexity']:.2f}; " + "; ".join(parts) + f", at {sizes} MB of weights."

@@ -61,3 +61,11 @@ def test_headers_wrap_between_words_never_inside_one():
     css = re.sub(r"/\*.*?\*/", "", (Path(__file__).parents[1] / "_static" / "wrap-code.css").read_text(), flags=re.S)
     rules = [r for r in css.split("}") if "table" in r.split("{")[0]]
     assert rules and not any("anywhere" in r or "break-all" in r for r in rules)
+
+
+def test_a_change_that_rounds_to_zero_has_no_sign():
+    """Issue 37 reread: chapter 5 printed "-0.00%" for a perplexity change of -2e-6."""
+    from kvlab.tables import signed_pct
+    assert signed_pct(-2e-6) == "0.00%" and signed_pct(2e-6) == "0.00%"
+    assert signed_pct(0.0031) == "+0.31%" and signed_pct(-0.0031) == "-0.31%"
+    assert signed_pct(-0.00004, digits=3) == "-0.004%"
