@@ -115,9 +115,36 @@ def readable(fig):
     return fig
 
 
+def plain_log_labels(fig):
+    """Tick labels of every log axis of ``fig`` as plain numbers ("0.5", "2", "20", "1000"), not
+    matplotlib's "2x10^0" and "10^1" (returns ``fig``). Minor ticks are labelled at 2 and 5 of each
+    decade when the axis spans two decades or less, else left unlabelled; a formatter a chapter set
+    itself (a percentage axis) is kept."""
+    import math
+
+    from matplotlib.ticker import FuncFormatter, LogFormatterSciNotation, NullFormatter
+
+    plain = FuncFormatter(lambda v, _: f"{v:g}")
+
+    def minor(v, _):
+        lead = v / 10 ** math.floor(math.log10(v) + 1e-9) if v > 0 else 0
+        return f"{v:g}" if round(lead, 6) in (2.0, 5.0) else ""
+
+    for ax in fig.axes:
+        for axis, scale, lim in ((ax.xaxis, ax.get_xscale(), ax.get_xlim()), (ax.yaxis, ax.get_yscale(), ax.get_ylim())):
+            if scale != "log" or not isinstance(axis.get_major_formatter(), LogFormatterSciNotation):
+                continue
+            axis.set_major_formatter(plain)
+            lo, hi = sorted(lim)
+            narrow = lo > 0 and math.log10(hi / lo) <= 2
+            axis.set_minor_formatter(FuncFormatter(minor) if narrow else NullFormatter())
+    return fig
+
+
 def stamp_figure(fig, model, device=None) -> None:
-    """Write :func:`stamp` along the bottom of a matplotlib figure, and make all its text
-    :func:`readable`."""
+    """Write :func:`stamp` along the bottom of a matplotlib figure, make all its text
+    :func:`readable` and its log axes' labels plain numbers (:func:`plain_log_labels`)."""
+    plain_log_labels(fig)
     fig.text(0.005, 0.005, stamp(model, device), fontsize=MIN_FONT, color="0.35", ha="left", va="bottom")
     readable(fig)
     # room for the stamp under what is already laid out (tick labels, x label), at its own size

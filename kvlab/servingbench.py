@@ -358,13 +358,28 @@ def best_of(samples: dict[str, list[float]], what: str, device, lower_is_better:
 
 
 def plot_latency_throughput(rows: list[dict], ax, latency: str = "e2e_p90") -> None:
-    """Latency against throughput, one line per policy, one point per arrival rate (labelled)."""
-    for k, p in enumerate(dict.fromkeys(r["policy"] for r in rows)):
+    """Latency against throughput, one line per policy, one point per arrival rate. Each rate is
+    labelled once, by the policy's point with the highest latency at that rate, and only where the
+    label has room: at saturation several rates land on one spot, and their labels would overlap."""
+    for p in dict.fromkeys(r["policy"] for r in rows):
         pts = sorted((r for r in rows if r["policy"] == p), key=lambda r: r["rate"])
-        line, = ax.plot([r["tokens_per_s"] for r in pts], [r[latency] for r in pts], "o-", label=p)
-        for r in pts:   # policies alternate above and below their points: two labels at one rate stay apart
-            ax.annotate(f"{r['rate']:.2g}/s", (r["tokens_per_s"], r[latency]), fontsize=8, color=line.get_color(),
-                        textcoords="offset points", xytext=(4, 4) if k % 2 == 0 else (4, -12))
+        ax.plot([r["tokens_per_s"] for r in pts], [r[latency] for r in pts], "o-", label=p)
     ax.set(xlabel="throughput (output tokens/s)", ylabel=f"{latency.replace('_', ' ')} latency (s)",
-           yscale="log", title="Latency against throughput, one point per arrival rate")
+           yscale="log", title="Latency against throughput; labels: arrival rate (requests/s)")
+    ax.autoscale_view()
+    placed = []                                    # display boxes (x0, y0, x1, y1) of the labels so far
+    for rate in sorted(dict.fromkeys(r["rate"] for r in rows)):
+        top = max((r for r in rows if r["rate"] == rate and r[latency] > 0), key=lambda r: r[latency], default=None)
+        if top is None:
+            continue
+        x, y = ax.transData.transform((top["tokens_per_s"], top[latency]))
+        text = f"{rate:.2g}/s"
+        w, h = 7 * len(text), 12                   # about a label of 8-9 points, in pixels at 100 dpi
+        for dx, dy in ((4, 4), (4, -h - 4), (-w - 4, 4)):
+            box = (x + dx, y + dy, x + dx + w, y + dy + h)
+            if all(box[2] < b[0] or box[0] > b[2] or box[3] < b[1] or box[1] > b[3] for b in placed):
+                placed.append(box)
+                ax.annotate(text, (top["tokens_per_s"], top[latency]), fontsize=8, color="0.25",
+                            textcoords="offset points", xytext=(dx * 0.72, dy * 0.72))
+                break
     ax.legend()

@@ -185,3 +185,46 @@ def test_the_bytes_of_a_decode_step_are_drawn_from_the_roofline_count(tiny):
         total = sum(b.get_width() for b in bars if abs(b.get_y() + b.get_height() / 2 - i) < 1e-6)
         assert total * 1e6 == pytest.approx(roofline.decode_step_bytes(model, 2, s), rel=1e-9)
     assert "plus the cache" in d.alt
+
+
+def test_log_axes_are_labelled_with_plain_numbers():
+    """Issue 37 reread: log axes read "4x10^0" and "10^1"; the stamp makes them "4" and "10"."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import PercentFormatter
+    from kvlab.provenance import plain_log_labels
+
+    fig, (a, b, c) = plt.subplots(1, 3)
+    a.plot([1, 2, 4, 8], [0.5, 2, 5, 20]); a.set(xscale="log", yscale="log")
+    b.plot([1, 1e6], [1, 2]); b.set_xscale("log")
+    c.plot([0.15, 1.0], [1, 2]); c.set_xscale("log"); c.xaxis.set_major_formatter(PercentFormatter(1.0))
+    plain_log_labels(fig)
+    fig.canvas.draw()
+    ymaj = [t.get_text() for t in a.yaxis.get_majorticklabels() if t.get_text()]
+    ymin = [t.get_text() for t in a.yaxis.get_minorticklabels() if t.get_text()]
+    assert "1" in ymaj and "10" in ymaj and not any("\\times" in t or "^" in t for t in ymaj + ymin), (ymaj, ymin)
+    assert "2" in ymin and "5" in ymin and "3" not in ymin
+    assert not [t.get_text() for t in b.xaxis.get_minorticklabels() if t.get_text()]   # six decades: no minor labels
+    assert "1000" in [t.get_text() for t in b.xaxis.get_majorticklabels()]
+    assert isinstance(c.xaxis.get_major_formatter(), PercentFormatter)                 # a chapter's own kept
+    plt.close(fig)
+
+
+def test_latency_throughput_labels_never_overlap():
+    """Issue 37 reread: chapter 9's "5/s" and "15/s" overlapped where saturated rates share a spot."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from kvlab.servingbench import plot_latency_throughput
+
+    rows = [dict(policy=p, rate=r, tokens_per_s=min(r, 4) * 100 + k, e2e_p90=(1 + k) * (1 if r < 4 else r))
+            for k, p in enumerate(("static", "continuous", "reservation")) for r in (0.5, 1, 2, 5, 15, 15.5)]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    plot_latency_throughput(rows, ax)
+    fig.canvas.draw()
+    boxes = [t.get_window_extent() for t in ax.texts]
+    assert 2 <= len(boxes) <= 6
+    assert not any(a.overlaps(b) for i, a in enumerate(boxes) for b in boxes[i + 1:])
+    assert {t.get_text() for t in ax.texts} <= {"0.5/s", "1/s", "2/s", "5/s", "15/s", "16/s"}
+    plt.close(fig)
