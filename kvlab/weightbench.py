@@ -100,7 +100,8 @@ def quality(ours, tok, formats=weights.FORMATS, window: int = 256, max_windows: 
     """Per format: held-out perplexity (the book's protocol, ``kvlab.quality.window_loss``, on the
     bundled model's held-out text) and greedy agreement with fp32 (mean tokens generated before the
     first difference, over ``prompts`` held-out prompts of 16 tokens)."""
-    ids = tok((TINY_DIR / "heldout.txt").read_text(), return_tensors="pt").input_ids[0]
+    # the whole text, longer than any context (verbose=False: no "indexing errors" warning); cut below
+    ids = tok((TINY_DIR / "heldout.txt").read_text(), return_tensors="pt", verbose=False).input_ids[0]
     window = min(window, ours.config.n_positions)
     starts = torch.linspace(0, ids.numel() - 17, prompts).long().tolist()
     ps = [ids[s:s + 16][None].to(ours.ln_f.weight.device) for s in starts]
