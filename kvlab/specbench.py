@@ -53,13 +53,23 @@ def best_k(alpha: float, c: float, v_of_k: dict[int, float]) -> int:
 
 
 def v_floor(model, ks, cached: int, machine: dict) -> dict[int, float]:
-    """Chapter 7's floor of ``V(k)``: the floor of a forward over ``k + 1`` tokens (every row through
-    the LM head) over that of a one-token step, at ``cached`` positions (:func:`kvlab.roofline.forward_floor`)."""
+    """Chapter 7's floor of ``V(k)``: the floor of a forward over ``k + 1`` tokens of ONE sequence (every
+    row through the LM head; the sequence's ``cached`` positions read once, each of the ``k + 1``
+    queries scoring them and the new keys before it) over that of a one-token step
+    (:func:`kvlab.roofline.forward_floor`)."""
     def floor(t):
-        return roofline.forward_floor(model, t, t, cached * t, cached * t + t * (t + 1) // 2,
+        return roofline.forward_floor(model, t, t, cached, cached * t + t * (t + 1) // 2,
                                       machine["bandwidth"], machine["flops"])
     one = floor(1)
     return {k: floor(k + 1) / one for k in ks}
+
+
+def v_floor_bound(model, k: int, cached: int, machine: dict) -> str:
+    """What sets the floor of the ``k + 1``-token verify pass: ``"bytes"`` or ``"arithmetic"``."""
+    t = k + 1
+    reading = roofline.step_bytes(model, t, t, cached) / machine["bandwidth"]
+    doing = roofline.step_flops(model, t, t, cached * t + t * (t + 1) // 2) / machine["flops"]
+    return "arithmetic" if doing > reading else "bytes"
 
 
 def draft_bytes(target, drafts: dict) -> dict[str, dict]:
@@ -301,7 +311,7 @@ def run(pair: dict, budget_s: float | None = None, machine: dict | None = None, 
     hf = hf_comparison(pair["hf"], pair["hf_draft"], prompts[0], timing.pick(32, 12), k_hf, 3, budget=budgets["hf"])
     floor = v_floor(target, ks, cached, machine) if machine else None
     return {"sizes": sizes, "acceptance": acc, "costs": cost, "alpha": alpha, "picks": picks, "plan": plan,
-            "e2e": e2e, "hf": hf, "k_hf": k_hf, "v_floor": floor, "bytes": draft_bytes(target, drafts),
+            "e2e": e2e, "hf": hf, "k_hf": k_hf, "v_floor": floor, "cached": cached, "bytes": draft_bytes(target, drafts),
             "device": target.wte.weight.device, "label": pair["label"], "target": target,
             "cuts": [b.note for b in budgets.values() if b.note]}
 

@@ -237,3 +237,30 @@ def test_chapter_10s_untimed_cells_are_blank_not_nan():
     assert untimed["measured"] is None and untimed["step cost (clock)"] is None and untimed["V floor"] is None
     from kvlab.tables import _cell
     assert _cell(untimed["measured"], ".2f") == ""
+
+
+def test_chapter_10s_floor_sentence_says_what_sets_the_floor_and_reads_the_clock_against_it():
+    """Issue 37 reread: V(6) = 1.37 against a floor of 2.88 was read as "extra rows ride along almost
+    free, as on an accelerator", under "the weights are read once" while arithmetic set that floor."""
+    from kvlab import specbench, specreport
+    from kvlab.course.checks._common import grading_model
+    from kvlab.gpt2 import GPT2
+    target = GPT2.from_hf(grading_model()[0])
+    slow_flops = {"bandwidth": 50e9, "flops": 20e9}          # 7 rows' FLOPs take longer than the bytes
+    fast_flops = {"bandwidth": 50e9, "flops": 1e15}
+    assert specbench.v_floor_bound(target, 6, 40, slow_flops) == "arithmetic"
+    assert specbench.v_floor_bound(target, 6, 40, fast_flops) == "bytes"
+    vf = specbench.v_floor(target, [6], 40, slow_flops)[6]
+    assert vf > 1.5
+    # the cache is read once for all k + 1 queries: at a long context the bytes floor grows with k by the new rows only
+    assert specbench.v_floor(target, [6], 400, fast_flops)[6] < 1.01
+
+    def run(v):
+        head = Timing("h", [1e-4] * 3)
+        return {"v_floor": {6: vf}, "sizes": {"ks": [6]}, "costs": {"V": {6: v}, "timings": {"head 1": head, "head 7": head}},
+                "target": target, "device": "cpu", "cached": 40}
+    below = specreport.floor_sentences(run(1.37), slow_flops)[0]
+    assert "FLOPs, at the probe's 20 GFLOP/s, take longer than the bytes" in below
+    assert "below the floor's ratio" in below and "almost free" not in below
+    assert "almost free" in specreport.floor_sentences(run(1.05), slow_flops)[0]
+    assert "more than the floor predicts" in specreport.floor_sentences(run(vf * 1.5), slow_flops)[0]
