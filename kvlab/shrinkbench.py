@@ -358,7 +358,7 @@ def uptrain_rows(model, calibration, train_ids, eval_ids, ref, n_kv: int, steps:
         uptrain(conv, train_ids, steps, teacher=model)
         q = quality(conv, eval_ids, ref["top1"], max_windows=max_windows)
         gap = before - ref["ppl"]
-        rows.append({"model": f"{n_kv} kv heads, {method}, distilled", "steps": steps, "before": before, "after": q["ppl"],
+        rows.append({"model": f"{n_kv} kv head{'' if n_kv == 1 else 's'}, {method}, distilled", "steps": steps, "before": before, "after": q["ppl"],
                      "top-1 agree after": q["agree"],
                      "gap closed": 1 - (q["ppl"] - ref["ppl"]) / gap if gap > 0.01 * ref["ppl"] else float("nan")})
     return rows
