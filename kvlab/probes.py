@@ -132,7 +132,7 @@ def measure_bandwidth(device="cpu", size_mib: int | None = None, threads: int | 
     seconds = median_seconds(_probe_fn(kind, src), device, repeats=repeats, threads=threads)
     bw = moved * src.numel() * src.element_size() / seconds
     if verbose:
-        where = f"{threads} threads" if device.type == "cpu" else str(device)
+        where = f"{threads} thread{'' if threads == 1 else 's'}" if device.type == "cpu" else str(device)
         llc = cpu_cache_bytes() if device.type == "cpu" else None
         note = " - fits in the last-level cache!" if llc and mib * 2**20 <= llc else ""
         print(f"bandwidth ({kind}): {bw / 1e9:.1f} GB/s  ({what} {mib} MiB, {where}{note})")
@@ -153,7 +153,7 @@ def best_bandwidth(device="cpu", threads: int | None = None, repeats: int = 7, v
     (kind, mib), bw = max(results.items(), key=lambda kv: kv[1])
     if verbose:
         tried = ", ".join(f"{k} {m} MiB {b / 1e9:.1f}" for (k, m), b in results.items())
-        where = f"{torch.get_num_threads()} threads" if device.type == "cpu" else str(device)
+        where = f"{torch.get_num_threads()} thread{'' if torch.get_num_threads() == 1 else 's'}" if device.type == "cpu" else str(device)
         print(f"bandwidth (best reader): {bw / 1e9:.1f} GB/s  ({kind}, {mib} MiB, {where}; tried: {tried} GB/s)")
     return bw, f"{kind}, {mib} MiB"
 
@@ -208,7 +208,7 @@ def measure_matmul_flops(device="cpu", dtype=torch.float32, n: int | None = None
     seconds = median_seconds(lambda: a @ b, device, repeats=repeats, threads=threads)
     rate = 2 * n ** 3 / seconds
     if verbose:
-        where = f"{threads} threads" if device.type == "cpu" else str(device)
+        where = f"{threads} thread{'' if threads == 1 else 's'}" if device.type == "cpu" else str(device)
         print(f"matmul: {rate / 1e9:.1f} GFLOP/s  ({n}x{n} {str(dtype).removeprefix('torch.')}, {where})")
     return rate
 
