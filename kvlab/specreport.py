@@ -94,8 +94,11 @@ def best_k_sentences(r: dict) -> list[str]:
         timed = {key[1]: base / t.median for key, t in r["e2e"].items() if key[0] == name}
         clock = max(timed, key=timed.get)
         agree = "the same k" if clock == k else f"k={clock} ({timed[clock]:.2f}x)"
+        ks = ", ".join(str(x) for x in sorted(timed))
+        clock_words = (f"only k={clock} was timed, so the clock picks nothing" if len(timed) == 1 else
+                       f"of the k timed ({ks}), the clock's best is {agree}")
         out.append(f"{name}: the theory picks k={k} (predicted {predicted_speedup(r['alpha'][name], k, r['costs']['c'][name], r['costs']['V'][k]):.2f}x); "
-                   f"of the k timed, the clock's best is {agree} {verdicts.on(r['device'])}")
+                   f"{clock_words} {verdicts.on(r['device'])}")
     return out
 
 
