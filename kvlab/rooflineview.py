@@ -265,20 +265,28 @@ def recorded_sentence(what: str = "Recorded runs on GPUs") -> str:
 
 def fit_sentence(overhead: float, k: float, measured, predicted) -> str:
     """Lab 7's fit ``measured = overhead + k x floor``, read honestly: a fit whose overhead is negative,
-    larger than the whole batch-1 step, or whose ``k`` is below 1 (faster than the floor) does not
-    describe the run, and the sentence says which and why (how measured/floor moved with the batch)."""
+    larger than the whole step of the smallest batch swept, or whose ``k`` is below 1 (faster than the
+    floor) does not describe the run, and the sentence says which and why: timings out of order (a
+    larger batch timed faster than a smaller one: noise) or measured/floor moving in a way one constant
+    and one factor cannot follow."""
     ratios = [m / p for m, p in zip(measured, predicted)]
-    trend = (f"measured/floor {'grows' if ratios[-1] > ratios[0] else 'falls'} with the batch (from "
-             f"{ratios[0]:.1f}x to {ratios[-1]:.1f}x)")
     if overhead < 0:
         why = f"its overhead came out negative ({overhead * 1e3:.3f} ms)"
     elif overhead > measured[0]:
-        why = (f"its overhead ({overhead * 1e3:.3f} ms) is larger than the whole batch-1 step "
-               f"({measured[0] * 1e3:.3f} ms)")
+        why = (f"its overhead ({overhead * 1e3:.3f} ms) is larger than the whole step of the smallest batch "
+               f"swept ({measured[0] * 1e3:.3f} ms)")
     elif k < 1:
         why = f"its factor k = {k:.2f} would run the bytes faster than the floor allows"
     else:
-        return (f"fixed overhead per step: {overhead * 1e3:.3f} ms, {overhead / measured[0]:.0%} of the batch-1 "
-                f"step; the rest runs at {k:.2f}x the floor")
-    return (f"the fit does not fit this run: {why}, because {trend}: no constant overhead plus one factor k "
-            "times the floor explains these steps")
+        return (f"fixed overhead per step: {overhead * 1e3:.3f} ms, {overhead / measured[0]:.0%} of the smallest "
+                f"batch's step; the rest runs at {k:.2f}x the floor")
+    out_of_order = [(i, i + 1) for i in range(len(measured) - 1) if measured[i + 1] < measured[i]]
+    if out_of_order:
+        i, j = out_of_order[0]
+        cause = (f"the timings are out of order (the sweep's batch no. {j + 1} ran in {measured[j] * 1e3:.3f} ms, "
+                 f"faster than no. {i + 1} at {measured[i] * 1e3:.3f} ms: noise of a busy machine); measure again")
+    else:
+        cause = (f"measured/floor {'grows' if ratios[-1] > ratios[0] else 'falls'} with the batch (from "
+                 f"{ratios[0]:.1f}x to {ratios[-1]:.1f}x) in a way no constant overhead plus one factor k times "
+                 "the floor follows")
+    return f"the fit does not fit this run: {why}, because {cause}"

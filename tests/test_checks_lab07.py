@@ -732,7 +732,11 @@ def test_a_refused_check_never_prints_passed(capsys):
 def test_the_fit_sentence_flags_a_fit_that_does_not_fit():
     from kvlab import rooflineview
     measured, floors = [5.63e-3, 9.53e-3, 6.46e-3, 8.09e-3], [1e-3, 2e-3, 4e-3, 8e-3]
-    assert "larger than the whole batch-1 step" in rooflineview.fit_sentence(6.7e-3, 0.8, measured, floors)
+    big = rooflineview.fit_sentence(6.7e-3, 0.8, measured, floors)
+    assert "larger than the whole step of the smallest batch swept" in big
+    assert "out of order" in big and "no. 3 at 6.460 ms" not in big and "no. 3 ran in 6.460 ms" in big
+    in_order = rooflineview.fit_sentence(-1e-3, 1.2, [5e-3, 6e-3, 9e-3, 20e-3], floors)
+    assert "out of order" not in in_order and "measured/floor falls" in in_order
     assert "negative" in rooflineview.fit_sentence(-1e-3, 1.2, measured, floors)
     assert "faster than the floor" in rooflineview.fit_sentence(1e-3, 0.8, measured, floors)
     ok = rooflineview.fit_sentence(2e-3, 1.5, measured, floors)
