@@ -20,6 +20,7 @@ import torch.utils.benchmark as benchmark
 
 from .configs import as_dtype
 from .loading import check_device
+from .provenance import threads_text
 from .timing import QUICK
 from .validate import check_int
 
@@ -132,7 +133,7 @@ def measure_bandwidth(device="cpu", size_mib: int | None = None, threads: int | 
     seconds = median_seconds(_probe_fn(kind, src), device, repeats=repeats, threads=threads)
     bw = moved * src.numel() * src.element_size() / seconds
     if verbose:
-        where = f"{threads} thread{'' if threads == 1 else 's'}" if device.type == "cpu" else str(device)
+        where = threads_text(threads) if device.type == "cpu" else str(device)
         llc = cpu_cache_bytes() if device.type == "cpu" else None
         note = " - fits in the last-level cache!" if llc and mib * 2**20 <= llc else ""
         print(f"bandwidth ({kind}): {bw / 1e9:.1f} GB/s  ({what} {mib} MiB, {where}{note})")
@@ -153,7 +154,7 @@ def best_bandwidth(device="cpu", threads: int | None = None, repeats: int = 7, v
     (kind, mib), bw = max(results.items(), key=lambda kv: kv[1])
     if verbose:
         tried = ", ".join(f"{k} {m} MiB {b / 1e9:.1f}" for (k, m), b in results.items())
-        where = f"{torch.get_num_threads()} thread{'' if torch.get_num_threads() == 1 else 's'}" if device.type == "cpu" else str(device)
+        where = threads_text(torch.get_num_threads()) if device.type == "cpu" else str(device)
         print(f"bandwidth (best reader): {bw / 1e9:.1f} GB/s  ({kind}, {mib} MiB, {where}; tried: {tried} GB/s)")
     return bw, f"{kind}, {mib} MiB"
 
@@ -208,7 +209,7 @@ def measure_matmul_flops(device="cpu", dtype=torch.float32, n: int | None = None
     seconds = median_seconds(lambda: a @ b, device, repeats=repeats, threads=threads)
     rate = 2 * n ** 3 / seconds
     if verbose:
-        where = f"{threads} thread{'' if threads == 1 else 's'}" if device.type == "cpu" else str(device)
+        where = threads_text(threads) if device.type == "cpu" else str(device)
         print(f"matmul: {rate / 1e9:.1f} GFLOP/s  ({n}x{n} {str(dtype).removeprefix('torch.')}, {where})")
     return rate
 

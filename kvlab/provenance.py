@@ -12,6 +12,12 @@ import torch
 from .tables import in_notebook
 
 
+def threads_text(n: int, noun: str = "thread") -> str:
+    """``"1 thread"``, ``"2 threads"`` (``noun="torch thread"``: ``"2 torch threads"``): a CPU thread
+    count in words, as every output of the book prints it."""
+    return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
 def device_name(device) -> str:
     device = torch.device(device)
     if device.type == "cuda":
@@ -24,8 +30,7 @@ def device_name(device) -> str:
                 break
     except OSError:
         pass
-    n = torch.get_num_threads()
-    return f"CPU {cpu} ({os.cpu_count()} logical cores, {n} torch thread{'' if n == 1 else 's'})"
+    return f"CPU {cpu} ({os.cpu_count()} logical cores, {threads_text(torch.get_num_threads(), 'torch thread')})"
 
 
 def describe(model) -> str:
@@ -74,8 +79,7 @@ def stamp(model, device=None) -> str:
 
     device = device or next(model.parameters()).device
     dev = device_name(device).split(" (")[0] if torch.device(device).type == "cpu" else device_name(device)
-    n = torch.get_num_threads()
-    threads = f", {n} thread{'' if n == 1 else 's'}" if torch.device(device).type == "cpu" else ""
+    threads = f", {threads_text(torch.get_num_threads())}" if torch.device(device).type == "cpu" else ""
     return (f"{dev}{threads} | {getattr(model, 'kvlab_name', '?')} ({getattr(model, 'kvlab_kind', '?')}) | "
             f"torch {torch.__version__}, transformers {transformers.__version__}")
 

@@ -38,7 +38,7 @@ from statistics import median
 
 import torch
 
-from .provenance import device_name
+from .provenance import device_name, threads_text
 from .timing import Timing
 
 #: Medians closer than this (relative) count as no difference measured, whatever their samples say.
@@ -59,7 +59,7 @@ def on(device, threads: int | None = None) -> str:
     name = device_name(device)
     if torch.device(device).type == "cpu":
         n = threads or torch.get_num_threads()
-        return f"on this CPU with {n} torch thread{'' if n == 1 else 's'}"
+        return f"on this CPU with {threads_text(n, 'torch thread')}"
     return f"on {name}"
 
 
