@@ -257,12 +257,25 @@ def generation_floor(model, batch_size: int, prompt_len: int, new_tokens: int, b
     bandwidth, flops = _rate(bandwidth, "bandwidth (bytes/s)"), _rate(flops, "flops (FLOP/s)")
     batch_size, prompt_len = check_int(batch_size, "batch_size", 1), check_int(prompt_len, "prompt_len", 0)
     new_tokens = check_int(new_tokens, "new_tokens", 0)
-    # both counts are linear in seq_len: take the intercept and slope once, not a model walk per step
-    b0, f0 = decode_step_bytes(model, batch_size, 0), decode_step_flops(model, batch_size, 0)
-    db = decode_step_bytes(model, batch_size, 1) - b0
-    df = decode_step_flops(model, batch_size, 1) - f0
+    (b0, db), (f0, df) = _per_position(decode_step_bytes, model, batch_size), _per_position(decode_step_flops, model, batch_size)
     return sum(max((b0 + db * s) / bandwidth, (f0 + df * s) / flops)
                for s in range(prompt_len, prompt_len + new_tokens))
+
+
+def generation_bytes(model, batch_size: int, prompt_len: int, new_tokens: int) -> int:
+    """Bytes a whole greedy generation reads, step by step as :func:`generation_floor` prices them (its
+    memory term alone: over a bandwidth, the floor with free arithmetic)."""
+    batch_size, prompt_len = check_int(batch_size, "batch_size", 1), check_int(prompt_len, "prompt_len", 0)
+    new_tokens = check_int(new_tokens, "new_tokens", 0)
+    b0, db = _per_position(decode_step_bytes, model, batch_size)
+    return sum(b0 + db * s for s in range(prompt_len, prompt_len + new_tokens))
+
+
+def _per_position(count, model, batch_size: int) -> tuple[int, int]:
+    """``count(model, B, seq_len)`` is linear in ``seq_len``: its intercept and slope, taken once (not a
+    model walk per step)."""
+    c0 = count(model, batch_size, 0)
+    return c0, count(model, batch_size, 1) - c0
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -76,9 +76,7 @@ def measure(ours, prompt_len: int, new_tokens: int, formats=weights.FORMATS, rep
         rate = rates[arithmetic_dtype(fmt)]
         floor = roofline.generation_floor(model, 1, prompt_len, new_tokens, m["bandwidth"], rate) / new_tokens
         # the bytes alone (arithmetic free): where the floor is above it, the dtype's arithmetic sets it
-        b0 = roofline.decode_step_bytes(model, 1, 0)
-        db = roofline.decode_step_bytes(model, 1, 1) - b0
-        bytes_floor = sum(b0 + db * s for s in range(prompt_len, prompt_len + new_tokens)) / m["bandwidth"] / new_tokens
+        bytes_floor = roofline.generation_bytes(model, 1, prompt_len, new_tokens) / m["bandwidth"] / new_tokens
         achieved = roofline.achieved_bandwidth(model, 1, prompt_len, new_tokens, t.median)
         rows.append(dict(weights=fmt, generator=how, per_token=t.median / new_tokens, floor_per_token=floor,
                          bytes_floor_per_token=bytes_floor, flops_rate=rate, flops_dtype=arithmetic_dtype(fmt),

@@ -220,3 +220,11 @@ def test_the_matmul_probe_is_sized_by_time_so_an_emulated_dtype_stays_cheap(monk
     assert probes._matmul_size(torch.device("cpu"), torch.float32, 1) == 256
     monkeypatch.setattr(probes, "MATMUL_PROBE_S", 1e9)          # none is: the cap
     assert probes._matmul_size(torch.device("cpu"), torch.float32, 1) == (512 if probes.QUICK else 1024)
+
+
+def test_generation_bytes_is_the_floors_memory_term():
+    from kvlab.course.checks._common import grading_model
+    m = grading_model()[0]
+    b = roofline.generation_bytes(m, 2, 7, 5)
+    assert b == sum(roofline.decode_step_bytes(m, 2, s) for s in range(7, 12))
+    assert abs(b / 1e9 - roofline.generation_floor(m, 2, 7, 5, 1e9, 1e30)) < 1e-12
