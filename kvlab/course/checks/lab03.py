@@ -184,12 +184,13 @@ def _run_cache(KVCache, batch, steps, max_len, gen):
             keys, values = _update_once(cache, layer, k, v, where)
             want_k, want_v = torch.cat([past[layer][0], k], 2), torch.cat([past[layer][1], v], 2)
             _grade_update(_Update(where, keys, values, k, v, want_k, want_v, written, batch, max_len))
-            if ptrs[layer] is not None and keys.data_ptr() != ptrs[layer]:
+            if ptrs[layer] is not None and keys.data_ptr() != ptrs[layer].data_ptr():
                 raise fail(NAME_CACHE, f"{where}: the returned keys are a new tensor at every "
                                        "pass; preallocate one buffer of max_len positions in "
                                        "__init__, write into it in place and return a view, no "
                                        "torch.cat")
-            ptrs[layer], past[layer] = keys.data_ptr(), [want_k, want_v]
+            # the tensor itself is kept, not its address: a freed copy's memory could be reused
+            ptrs[layer], past[layer] = keys, [want_k, want_v]
         n = _seq_len(cache)
         fmt = dict(p=step + 1, n=n, want=written + T, T=T, w=written)
         for broken, message in _SEQ_LEN:

@@ -183,11 +183,12 @@ def _grade_update(cache, state, layer, k, v, pos, where, rewind=False):
     keys, values = got if _pair(got) else (torch.zeros(0), torch.zeros(0))
     kept = state.written[layer].clone()
     kept[pos:pos + T] = False
+    last = state.last[layer]
     o = SimpleNamespace(got=got, keys=keys, values=values, reads=reads, pos=pos, T=T, B=k.shape[0],
                         max_len=state.max_len, full=[k.shape[0], k.shape[1], state.max_len, k.shape[3]],
-                        dtype=k.dtype, ptr=state.ptr[layer], want_k=state.want_k[layer],
-                        want_v=state.want_v[layer], new_k=k, written=state.written[layer], kept=kept,
-                        rewind=rewind)
+                        dtype=k.dtype, ptr=None if last is None else last.data_ptr(),
+                        want_k=state.want_k[layer], want_v=state.want_v[layer], new_k=k,
+                        written=state.written[layer], kept=kept, rewind=rewind)
     for _name, present, message in _CACHE_MISTAKES:
         if present(o):
             same = keys.dim() == 4 and keys.shape[1] == k.shape[1] and keys.shape[3] == k.shape[3]
@@ -196,7 +197,9 @@ def _grade_update(cache, state, layer, k, v, pos, where, rewind=False):
             raise fail(NAME_CACHE, f"{where}: " + message.format(
                 full=o.full, kshape=list(keys.shape), vshape=list(values.shape), dtype=o.dtype,
                 kdtype=keys.dtype, pos=pos, found=found, bad_rows=bad, reads=_reads(reads)))
-    state.ptr[layer] = keys.data_ptr()
+    # Keep the returned tensor itself, not only its address: a copy freed here could be handed the
+    # same memory at the next step, and an address compare would then miss it.
+    state.last[layer] = keys
 
 
 def _run_passes(cache, state, passes, gen, what):
@@ -211,7 +214,7 @@ def _run_passes(cache, state, passes, gen, what):
 
 def _fresh_state(L, B, H, D, max_len):
     shape = (B, H, max_len, D)
-    return SimpleNamespace(dims=(L, B, H, D), max_len=max_len, ptr=[None] * L,
+    return SimpleNamespace(dims=(L, B, H, D), max_len=max_len, last=[None] * L,
                            want_k=[torch.zeros(shape, dtype=torch.float64) for _ in range(L)],
                            want_v=[torch.zeros(shape, dtype=torch.float64) for _ in range(L)],
                            written=[torch.zeros(max_len, dtype=torch.bool) for _ in range(L)])
@@ -267,11 +270,11 @@ def check_static_cache(StaticKVCache) -> None:
                                "written into them. Pass both to every tensor you allocate")
     state = _fresh_state(L, B, H, D, max_len)
     _run_passes(cache, state, passes, gen, "a new cache")
-    ptrs = list(state.ptr)
-    held = {n: t.data_ptr() for n, t in held_tensors(cache)}
+    last = list(state.last)
+    held = dict(held_tensors(cache))                 # the tensors, kept alive: their memory stays theirs
     _call(NAME_CACHE, "reset()", cache.reset)
     state = _fresh_state(L, B, H, D, max_len)
-    state.ptr = ptrs                                 # reset() must keep the very same buffers
+    state.last = last                                # reset() must keep the very same buffers
     try:
         _run_passes(cache, state, [(0, 2, False), (2, 1, False)], gen, "after reset()")
     except AssertionError as e:
@@ -281,7 +284,7 @@ def check_static_cache(StaticKVCache) -> None:
                                    "reset() must be as empty as a new one (all zeros), in the same tensors. "
                                    "The mask hides those slots; exercise 4 asks whether that is enough") from e
         if "different tensor" in str(e):
-            moved = [n for n, t in held_tensors(cache) if held.get(n) not in (None, t.data_ptr())]
+            moved = [n for n, t in held_tensors(cache) if n in held and held[n].data_ptr() != t.data_ptr()]
             why = (f"reset() allocated new buffers ({', '.join(moved[:3])} moved)" if moved else
                    "after reset(), update returns a new tensor, not the buffers it returned before "
                    "(a copy?)")
