@@ -46,13 +46,21 @@ def counting():
             out["guard failures"] = after["guard failures"]
 
 
-def counts_sentence(counts: dict, device, compiled_functions: int) -> str:
+def counts_sentence(counts: dict, device, compiled_functions: int, same_code: int = 0) -> str:
     """The counts in words. ``compiled_functions``: how many functions the block compiled (one graph
-    each, when nothing recompiles or breaks)."""
+    each, when nothing recompiles or breaks). ``same_code``: how many of them run the same Python
+    code as another one (two instances of one decoder class): TorchDynamo keys its graphs by code
+    object, so such a function's first call fails the other's guards (a guard failure) and compiles
+    its own graph, which is its first graph, not a recompilation."""
     recompiles = max(counts["graphs"] - compiled_functions - counts["graph breaks"], 0)
+    failures = counts["guard failures"]
     line = (f"torch counted {counts['graphs']} graph(s) for {compiled_functions} compiled function(s) "
             f"({recompiles} more than one each without a break: recompilations), {counts['graph breaks']} "
-            f"graph break(s) and {counts['guard failures']} guard failure(s)")
+            f"graph break(s) and {failures} guard failure(s)")
+    if same_code and failures:
+        line += (f" ({min(same_code, failures)} expected: {same_code} of the compiled functions "
+                 f"{'runs' if same_code == 1 else 'run'} the same Python code as another, so its first call "
+                 "fails the other's guards and compiles a graph of its own, its first one)")
     if torch.device(device).type == "cuda":
         return (line + f"; CUDA graphs: {counts['cudagraph skips']} skip(s), "
                 f"{counts['cudagraph re-recordings']} re-recording(s) for inputs whose address changed.")

@@ -166,6 +166,17 @@ def plot_critical_batch(rows, ax, ridge: float) -> None:
     ax.legend(fontsize=7)
 
 
+def floor_change(base: dict, row: dict, what: str) -> str:
+    """``what`` (a format) against ``base``'s floor, in words that never say "1.00x lower": a floor
+    that did not move is named as such, with the bound that kept it."""
+    r = base["floor"] / row["floor"]
+    if r < 1.0005:
+        return (f"with {what} the floor stays where it was ({r:.3f}x: the step is bound by {row['bound']} on "
+                "this machine, and the format shrinks only bytes)" if row["bound"] == "compute" else
+                f"with {what} the floor stays where it was ({r:.3f}x)")
+    return f"with {what} the floor is {r:.2f}x lower" if r >= 1.01 else f"with {what} the floor is {r:.3f}x lower"
+
+
 def quant_sentence(rows: list[dict]) -> str:
     """What the formats change on this machine, computed: which rows are bound by compute, and why
     their ratios read 1.00 when they are."""

@@ -40,7 +40,7 @@ def table(r: dict) -> None:
         "theory's tokens per step from the draft's alpha pooled over every k."))
     show(rs, columns={c: c for c in cost}, formats=formats, caption=(
         "Cost and speed-up, same run. 'predicted' uses the pooled alpha with the measured c and V(k); "
-        "'measured': plain greedy time / speculative time, medians of one interleaved run (blank: not "
+        "'measured': plain greedy time / speculative time, medians over the rounds of one interleaved run (blank: not "
         "timed); 'step cost (clock)': what a target step really cost in decode steps (tokens/step x "
         "measured time ratio; prefill and the loop's own bookkeeping included), beside k*c + V(k)."))
 

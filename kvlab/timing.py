@@ -70,6 +70,7 @@ class Timing:
 
     label: str
     samples: list[float] = field(default_factory=list)
+    threads: int | None = None       # torch threads the samples ran with (None: not recorded)
 
     @property
     def median(self) -> float:
@@ -96,7 +97,7 @@ def measure(fn: Callable[[], object], label: str = "", warmup: int = 1, repeats:
     threads = threads or torch.get_num_threads()
     for _ in range(warmup):
         fn()
-    return Timing(label, [_one_run(fn, threads) for _ in range(repeats)])
+    return Timing(label, [_one_run(fn, threads) for _ in range(repeats)], threads)
 
 
 def compare(fns: dict[str, Callable[[], object]], warmup: int = 1, repeats: int = 5,
@@ -108,7 +109,7 @@ def compare(fns: dict[str, Callable[[], object]], warmup: int = 1, repeats: int 
     for fn in fns.values():
         for _ in range(warmup):
             fn()
-    out = {k: Timing(k) for k in fns}
+    out = {k: Timing(k, threads=threads) for k in fns}
     rounds = range(repeats) if budget is None else budget.rounds(repeats)
     for _ in bar(rounds, desc="timing rounds", leave=False) if progress else rounds:
         for k, fn in fns.items():

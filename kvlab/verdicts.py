@@ -151,11 +151,13 @@ def relation(c: Comparison, win: str, lose: str, better: str = "faster", noise: 
 def faster(a: Timing, b: Timing, device, name_a: str | None = None, name_b: str | None = None,
            noise: float = NOISE) -> str:
     """``"A is 2.30x faster than B (time ratio 0.43, 0.40 to 0.47 within the runs' spread): faster in
-    every one of the 5 rounds; medians of 5 interleaved runs on DEVICE"``; the ratio leads, the
+    every one of the 5 rounds; medians of 5 rounds of one interleaved run on DEVICE"``; the ratio leads, the
     verdict (:func:`relation`) follows and never contradicts it."""
     name_a, name_b = name_a or a.label, name_b or b.label
     c = compare_timings(a, b, noise)
-    how = f"medians of {c.n} interleaved run{'s' if c.n != 1 else ''} {on(device)}"
+    # the threads the samples ran with, where both recorded the same count (else torch's current one)
+    threads = a.threads if a.threads == b.threads else None
+    how = f"medians of {c.n} round{'s' if c.n != 1 else ''} of one interleaved run {on(device, threads)}"
     if c.verdict == "none":
         return (f"{name_a} and {name_b}: time ratio {c.ratio:.2f} ({c.low:.2f} to {_num(c.high)} within the runs' "
                 f"spread), {relation(c, name_a, name_b, noise=noise)}; {how}")

@@ -105,6 +105,30 @@ def test_compile_counts_come_from_torch():
     assert "CUDA graphs: 0 skip(s)" in compilecount.counts_sentence(counts, "cuda", compiled_functions=1)
 
 
+def test_compile_counts_name_two_instances_of_one_code_as_expected():
+    """Two instances of one class compiled apart share a code object: the second's first call fails
+    the first's guards (torch counts a guard failure) and compiles its own graph, not a recompilation."""
+    from kvlab import compilecount
+
+    class Step(torch.nn.Module):
+        def __init__(self, scale):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4) if scale else torch.nn.Identity()
+
+        def forward(self, x):
+            return self.lin(x) * 2
+
+    torch._dynamo.reset()
+    a, b = (torch.compile(Step(s), backend="aot_eager", dynamic=False) for s in (1, 0))
+    with compilecount.counting() as counts:
+        for _ in range(3):
+            a(torch.ones(2, 4)), b(torch.ones(2, 4))
+    assert counts["graphs"] == 2 and counts["guard failures"] >= 1
+    line = compilecount.counts_sentence(counts, "cpu", compiled_functions=2, same_code=1)
+    assert "(0 more than one each" in line and "1 expected" in line and "same Python code" in line
+    assert "expected" not in compilecount.counts_sentence(counts, "cpu", compiled_functions=2)
+
+
 def test_one_compile_seconds_definition():
     from kvlab import staticbench
 

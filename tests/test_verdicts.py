@@ -76,7 +76,7 @@ def test_the_verdict_follows_the_numbers_on_random_timings():
 
 def test_a_single_run_each_is_judged_on_its_medians_alone():
     text = verdicts.faster(Timing("a", [1.0]), Timing("b", [3.0]), CPU)
-    assert text.startswith("a is 3.00x faster than b") and "1 interleaved run " in text
+    assert text.startswith("a is 3.00x faster than b") and "1 round of one interleaved run " in text
     assert "faster in the one round measured" in text
     with pytest.raises(ValueError, match="need samples"):
         verdicts.compare_timings(Timing("a", []), Timing("b", [1.0]))
@@ -86,7 +86,7 @@ def test_clear_winner_named_with_ratio_and_device():
     slow, fast = Timing("slow", [3.0, 3.1, 2.9]), Timing("fast", [1.0, 1.1, 0.9])
     text = verdicts.faster(slow, fast, CPU)
     assert text.startswith("fast is 3.00x faster than slow")
-    assert "this CPU" in text and "3 interleaved runs" in text
+    assert "this CPU" in text and "3 rounds of one interleaved run" in text
     assert verdicts.faster(fast, slow, CPU).startswith("fast is 3.00x faster")
 
 
@@ -264,3 +264,32 @@ def test_chapter_10s_floor_sentence_says_what_sets_the_floor_and_reads_the_clock
     assert "below the floor's ratio" in below and "almost free" not in below
     assert "almost free" in specreport.floor_sentences(run(1.05), slow_flops)[0]
     assert "more than the floor predicts" in specreport.floor_sentences(run(vf * 1.5), slow_flops)[0]
+
+
+def test_floor_change_never_says_one_times_lower():
+    from kvlab.rooflineview import floor_change
+
+    base = {"floor": 2.0, "bound": "compute"}
+    same = floor_change(base, {"floor": 2.0, "bound": "compute"}, "an int8 cache")
+    assert "the floor stays where it was" in same and "bound by compute" in same and "lower" not in same
+    assert "1.002x lower" in floor_change(base, {"floor": 2.0 / 1.002, "bound": "memory"}, "x")
+    assert "2.00x lower" in floor_change(base, {"floor": 1.0, "bound": "memory"}, "x")
+    assert "stays where it was (1.000x)" in floor_change(base, {"floor": 2.0, "bound": "memory"}, "x")
+
+
+def test_faster_names_the_threads_the_samples_ran_with():
+    """A timing measured on 1 thread is stated as such even when torch now runs with more."""
+    from kvlab import timing
+
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        t = timing.compare({"a": lambda: sum(range(2000)), "b": lambda: sum(range(20000))}, warmup=0,
+                           repeats=3, progress=False)
+        assert t["a"].threads == 1
+        torch.set_num_threads(2)
+        assert "with 1 torch thread" in verdicts.faster(t["a"], t["b"], "cpu")
+        untagged = verdicts.faster(Timing("a", t["a"].samples), Timing("b", t["b"].samples), "cpu")
+        assert "with 2 torch threads" in untagged          # not recorded: torch's current count
+    finally:
+        torch.set_num_threads(before)

@@ -69,9 +69,13 @@ def _deadline(seconds: float):
 TIME_LIMIT_S = 20.0      # per call: generous for any direct computation, a stop for an endless loop
 
 
-def _call(check, fn, label, args):
+_ENDLESS = ("A loop over batch sizes never ends when no batch is compute-bound: decide that first, from what one "
+            "more row adds to the bytes and to the FLOPs")
+
+
+def _call(check, fn, label, args, too_slow: str = _ENDLESS):
     """The learner's function on one case: their exceptions, library calls and endless loops become
-    failures."""
+    failures (``too_slow``: what a call past the time limit most likely did, for this case)."""
     names = ("batch_size", "seq_len", "bandwidth", "flops")
     shown = ", ".join(f"{k}={a!r}" for k, a in zip(names, args[1:]))
     try:
@@ -79,8 +83,7 @@ def _call(check, fn, label, args):
             out = fn(*args)
     except _TooSlow:
         raise fail(check, f"your function did not return within {TIME_LIMIT_S:.0f} s on <{label}> ({shown}). "
-                          "A loop over batch sizes never ends when no batch is compute-bound: decide that first, "
-                          "from what one more row adds to the bytes and to the FLOPs") from None
+                          + too_slow) from None
     except (GraderFailure, NotImplementedError):
         raise
     except Exception as e:  # noqa: BLE001 - the learner's exception becomes a pointed message
@@ -105,7 +108,48 @@ def _reference_floor(model, batch_size, seq_len, bandwidth, flops):
     return roofline.step_time_floor(model, batch_size, seq_len, bandwidth, flops)
 
 
-_REFERENCES = {"decode_step_bytes": _reference_bytes, "step_time_floor": _reference_floor}
+
+
+def _fast_references():
+    """The references above, as fast as arithmetic: bytes and FLOPs are exactly linear in the batch
+    (integers), so each (model, seq_len) is read off the model once and every later call is a
+    multiply-add giving the very same numbers. A search that walks batch by batch into the thousands
+    (correct, if slow) then runs in the grader as fast as in the notebook. Anything outside the plain
+    contract (batch 0, a bool, a float) goes to the reference itself, errors included. The memo keeps
+    each model alive, so an id cannot be reused while it lives (one grading run)."""
+    memo = {}
+
+    def plain(B, S):
+        return all(type(x) is int for x in (B, S)) and B >= 1 and S >= 0
+
+    def lines(model, S):
+        key = (id(model), S)
+        if key not in memo:
+            b1, f1 = roofline.decode_step_bytes(model, 1, S), roofline.decode_step_flops(model, 1, S)
+            memo[key] = (model, b1, roofline.decode_step_bytes(model, 2, S) - b1,
+                         f1, roofline.decode_step_flops(model, 2, S) - f1)
+        return memo[key][1:]
+
+    def step_bytes(model, batch_size, seq_len):
+        if not plain(batch_size, seq_len):
+            return _reference_bytes(model, batch_size, seq_len)
+        b1, db, _, _ = lines(model, seq_len)
+        return b1 + (batch_size - 1) * db
+
+    def step_flops(model, batch_size, seq_len):
+        if not plain(batch_size, seq_len):
+            return roofline.decode_step_flops(model, batch_size, seq_len)
+        _, _, f1, df = lines(model, seq_len)
+        return f1 + (batch_size - 1) * df
+
+    def floor(model, batch_size, seq_len, bandwidth, flops):
+        rates = all(type(r) in (int, float) and 0 < r < math.inf for r in (bandwidth, flops))
+        if not (rates and plain(batch_size, seq_len)):
+            return _reference_floor(model, batch_size, seq_len, bandwidth, flops)
+        b1, db, f1, df = lines(model, seq_len)
+        return max((b1 + (batch_size - 1) * db) / float(bandwidth), (f1 + (batch_size - 1) * df) / float(flops))
+
+    return {"decode_step_bytes": step_bytes, "step_time_floor": floor, "decode_step_flops": step_flops}
 
 
 @contextmanager
@@ -118,11 +162,15 @@ def _on_references(fn, names):
     g = getattr(inspect.unwrap(fn), "__globals__", {})
     saved = {n: g[n] for n in names if callable(g.get(n)) and hasattr(g[n], "__code__")
              and place(g[n].__code__.co_filename) == "learner"}
-    g.update({n: _REFERENCES[n] for n in saved})
+    fast = _fast_references()
+    # the FLOPs counter the lab hands out, where the notebook holds it under its own name: the same
+    # numbers, without walking the model's modules at every call of a batch-by-batch search
+    lent = {"decode_step_flops": g["decode_step_flops"]} if g.get("decode_step_flops") is roofline.decode_step_flops else {}
+    g.update({n: fast[n] for n in [*saved, *lent]})
     try:
         yield sorted(saved)
     finally:
-        g.update(saved)
+        g.update({**saved, **lent})
 
 
 def _on_own(replaced) -> str:
@@ -134,18 +182,29 @@ def _shape(model):
     return [(p.shape, p.dtype, p.device) for p in model.parameters()]
 
 
+def _too_slow(c) -> str:
+    """Why a call on case ``c`` ran past the limit: no critical batch (a loop that never ends), or one
+    far out (a walk one batch at a time, which the stand-in counters make fast, still too long)."""
+    crit = c.get("crit", None)
+    if "crit" not in c or crit is None:
+        return _ENDLESS + ("" if "crit" not in c else " (here no batch is: this case has no critical batch)")
+    return (f"Here a critical batch exists, {crit:,}: a search that walks one batch at a time takes that many "
+            "steps. Find it without walking: bytes and FLOPs are both straight lines in the batch, so solve where "
+            "they cross and settle the integer, or double the batch until the step is compute-bound and bisect")
+
+
 def _run_all(check, fn, cases, args_of):
     """Call ``fn`` on every case, then again in reverse order: the same arguments must give the same
     answer, and the model must come back unchanged."""
     first = []
     for c in cases:
         before = _shape(c["model"])
-        first.append(_call(check, fn, c["label"], args_of(c)))
+        first.append(_call(check, fn, c["label"], args_of(c), _too_slow(c)))
         if _shape(c["model"]) != before:
             raise fail(check, f"{c['label']}: your function changed the model (its parameters' shapes, dtypes "
                               "or device): only read it")
     for i in reversed(range(len(cases))):
-        again = _call(check, fn, cases[i]["label"], args_of(cases[i]))
+        again = _call(check, fn, cases[i]["label"], args_of(cases[i]), _too_slow(cases[i]))
         if not _same(again, first[i]):
             raise fail(check, f"{cases[i]['label']}: called twice with the same arguments, your function "
                               f"returned {first[i]!r}, then {again!r}: it must depend on its arguments only "
@@ -636,6 +695,9 @@ def _crit_message(cases, crits):
     if c["crit"] is None:
         return (f"{where}: at this context each added row brings more bytes (its cache) than its FLOPs can "
                 "cover at this machine's rates, so NO batch is compute-bound: return None")
+    capped = _cap_message(cases, crits)
+    if capped:
+        return f"{where}: {capped}"
     if got is None:
         return (f"{where}: a batch of {c['crit']} is compute-bound here; None is only for contexts where "
                 "each row's own bytes take longer than its FLOPs")
@@ -648,6 +710,29 @@ def _crit_message(cases, crits):
     below = [c["crit"] - 1] if c["crit"] > 1 else []
     return where + ": " + "; ".join(_times_at(c, b) for b in below + [c["crit"]]) + ". The critical batch is the smallest " \
         "batch whose compute time is strictly greater than its memory time"
+
+
+def _cap_message(cases, crits) -> str | None:
+    """A search with a ceiling: right on every case whose critical batch is at most some batch, wrong
+    (None, or a batch that is still memory-bound) on every one above it."""
+    wrong = [(c, g) for c, g in zip(cases, crits) if g != c["crit"]]
+    if not wrong or any(c["crit"] is None for c, _ in wrong):
+        return None
+    right = [c["crit"] for c, g in zip(cases, crits) if g == c["crit"] and c["crit"] is not None]
+    top = max(right, default=0)
+    if not right or any(c["crit"] <= top for c, _ in wrong):
+        return None
+    stops = [g for _, g in wrong if g is not None]
+    if any(g >= c["crit"] for c, g in wrong if g is not None):
+        return None
+    at = (f"; where it did return a batch ({', '.join(str(g) for g in sorted(set(stops)))}), the step there is still "
+          "memory-bound" if stops else "")
+    above = ", ".join(str(c["crit"]) for c, _ in wrong)
+    return (f"your search is right on every case whose critical batch is at most {top} and wrong on every one "
+            f"above (here {above}): it looks "
+            f"capped, a loop over a fixed range of batches that gives up (None) before it gets there{at}. Real critical "
+            "batches reach the thousands: search without a ceiling (double the batch until the step is compute-bound, "
+            "then bisect) or solve the two straight lines for where they cross")
 
 
 def _times_at(c, batch) -> str:
