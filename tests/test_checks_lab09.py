@@ -438,6 +438,27 @@ def test_paged_generate_blames_the_allocator(tiny):
     expect_rejected(lambda a: check_paged_generate(a, paged_gather), NoCopyOnWrite, "your BlockAllocator")
 
 
+class OneBlockTooMany(BlockAllocator):
+    """The walkthrough's first mistake: n // block_size + 1 blocks for a prompt (one too many at every
+    multiple of the block size)."""
+    def allocate(self, seq_id, num_tokens):
+        if seq_id in self._tables:
+            raise ValueError("already allocated")
+        self._tables[seq_id] = self._take(num_tokens // self.block_size + 1)
+        self._lengths[seq_id] = num_tokens
+        return list(self._tables[seq_id])
+
+
+def test_paged_generate_sends_a_failing_piece_to_its_own_check(tiny):
+    """Issue 34 walkthrough: the engine said 'out of blocks: 2 needed, 0 free', naming the exception and
+    not the allocator; now the piece that fails its own check is named, with that check's message."""
+    msg = expect_rejected(lambda a: check_paged_generate(a, paged_gather), OneBlockTooMany,
+                          "your BlockAllocator does not pass check_block_allocator", "pass check_block_allocator first")
+    assert "out of blocks" not in msg
+    own = expect_rejected(check_block_allocator, OneBlockTooMany)
+    assert own.split(" FAILED: ", 1)[1][:80] in msg                    # the unit check's own words
+
+
 def test_paged_generate_blames_the_gather(tiny):
     def sorted_gather(pool, table, n):
         return _ref(pool, sorted(table), n)
@@ -449,10 +470,12 @@ def test_paged_generate_catches_leaks(tiny):
     assert "_Verdict" not in msg
 
 
-def test_a_leak_the_first_check_misses_points_at_the_allocator(tiny):
-    # the walkthrough's learner: copy-on-write keeps the old block's reference; allocate-then-free is fine
-    msg = expect_rejected(lambda a: check_paged_generate(a, paged_gather), LeakOnCopy, "blocks leaked")
-    assert "look at your BlockAllocator" in msg and "copy-on-write" in msg
+def test_a_leak_on_copy_is_sent_to_the_allocator_check(tiny):
+    # the walkthrough's learner: copy-on-write keeps the old block's reference; allocate-then-free is fine,
+    # and the allocator's own check names the count that stays too high
+    msg = expect_rejected(lambda a: check_paged_generate(a, paged_gather), LeakOnCopy,
+                          "does not pass check_block_allocator", "copy-on-write", "refcount")
+    assert "pass check_block_allocator first" in msg
 
 
 def test_paged_generate_wraps_exceptions(tiny):

@@ -461,11 +461,35 @@ def _serve(model, prefix, reqs, alloc_cls, gather):
     return eng
 
 
+def _fails(check, piece) -> str | None:
+    """``check(piece)`` run quietly: None if it passes, else its message (without the check's name). A
+    stub's NotImplementedError passes through, as from the check itself."""
+    import contextlib
+    import io
+
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):
+            check(piece)
+    except AssertionError as e:
+        text = str(e).split(" FAILED: ", 1)[-1]
+        return text if len(text) <= 400 else text[:400].rsplit(" ", 1)[0] + " ..."
+    return None
+
+
 def check_paged_generate(BlockAllocator, paged_gather) -> None:
     """The hand-built GPT-2 serves a stream of requests (chapter 9's engine: ragged steps, preemption, a
     shared prefix) through your ``BlockAllocator`` and ``paged_gather``; every request's tokens must equal
     that prompt alone, and no block may leak."""
 
+    # The engine runs on the two pieces: a piece that fails its own check would fail here too, named by
+    # whatever it broke downstream ("out of blocks"). Its own check names the mistake: send the learner there.
+    for check, piece, what in ((check_block_allocator, BlockAllocator, "BlockAllocator"),
+                               (check_paged_gather, paged_gather, "paged_gather")):
+        problem = _fails(check, piece)
+        if problem:
+            end = "" if problem.endswith((".", "!", "?", ")")) else "."
+            raise fail(NAME_GEN, f"your {what} does not pass {check.__name__} yet, which says: {problem}{end} "
+                                 f"This check serves requests through it: pass {check.__name__} first")
     hf, tok = grading_model()
     model = GPT2.from_hf(hf)
     prefix, reqs = _workload(tok)
