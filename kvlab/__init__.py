@@ -11,7 +11,8 @@ only the domain.
   that interface), ``quant`` (the maths of quantization) and ``quant_cache`` (chapter 5's caches),
   ``static`` (chapter 8's static cache and compiled decode step), ``paged`` (chapter 9's allocator and
   gathers), ``paged_cache`` (the pool of blocks in the cache interface), ``ragged`` (attention over a
-  ragged step, sequence by sequence), ``serving`` (sequence, block
+  ragged step, sequence by sequence), ``pagedkernel`` (the C++ loop that reads a decode row's keys
+  where they lie in the pool), ``serving`` (sequence, block
   manager, scheduler, runner, engine, and the reference every request is checked against);
 * speculative decoding (chapter 10): ``speculative`` (draft, verify in one forward, accept, rewind every
   cache; speculative sampling), ``drafts`` (prompt lookup, a small draft model, the target's own first

@@ -32,10 +32,10 @@ set of queries with the keys they may see, read from their blocks. Two ways to r
     the one fused call (one operator per level instead of one in all; chapter 9 measures both).
 
 Decode rows read their keys one of two ways: the batched gather above (every key copied out of its
-block into a workspace, then the model's attention), or :func:`paged_decode`, compiled by inductor
-into loops that load each key straight from its block through the block table (no copy: what vLLM's
-paged-attention kernel does). :class:`PagedDecode` compiles it once per process and falls back to
-the gather, saying so, where torch.compile cannot run.
+block into a workspace, then the model's attention), or in place, with no copy (what vLLM's
+paged-attention kernel does): :class:`PagedDecode` runs :mod:`kvlab.pagedkernel`'s C++ loop on a CPU
+and elsewhere :func:`paged_decode`, compiled by inductor into loops that load each key straight from
+its block through the block table; it falls back to the gather, saying so, where neither can run.
 
 A GPU engine does all of this in ONE kernel launch and without a gather: varlen FlashAttention takes
 the queries and keys packed end to end with their offsets (``cu_seqlens``) and skips the tiles above
@@ -53,6 +53,7 @@ import warnings
 
 import torch
 
+from . import pagedkernel
 from .cache import EMPTY, visible
 
 
@@ -132,8 +133,9 @@ def paged_decode(q, pool_k, pool_v, tables, length: int):
 
 
 class PagedDecode:
-    """:func:`paged_decode`, compiled once per process (``dynamic=True``: a few shapes compile, then
-    any batch and length reuse them). ``usable()`` is False where inductor cannot run (a CPU without
+    """Decode rows read in place: on a CPU with float32 pools, :mod:`kvlab.pagedkernel`'s hand-written
+    loop (built once); elsewhere :func:`paged_decode`, compiled once per process (``dynamic=True``: a
+    few shapes compile, then any batch and length reuse them). ``usable()`` is False where inductor cannot run (a CPU without
     a C++ compiler, a device other than cpu/cuda) or after a compile failed (warned once); the
     caller then uses the gather."""
 
@@ -149,6 +151,10 @@ class PagedDecode:
         return kind == "cuda"
 
     def __call__(self, q, pool_k, pool_v, tables, length: int):
+        if pagedkernel.usable(q, pool_k):             # on a CPU, the hand-written loop (kvlab.pagedkernel)
+            out = pagedkernel.paged_decode(q, pool_k, pool_v, tables, length)
+            if out is not None:
+                return out
         if self.fn is None:
             self.fn = torch.compile(paged_decode, dynamic=True)
         try:
@@ -234,22 +240,27 @@ class Segments:
         rows = tables if tables.dim() == 2 else tables[None]
         if self.gather is not None:     # a pluggable gather (lab 9's contract), one sequence at a time
             return torch.stack([self.gather(pool_layer, t.tolist(), length) for t in rows])
-        # ONE copy, heads first: seen as [blocks * H, block_size, D], row (block, head) is one head's
-        # slots of one block; reading the rows in the order (sequence, head, block) lays each head's
-        # keys side by side in token order, the layout chapter 3's cache hands attention
-        b, width = rows.shape
+        # ONE copy, heads first, of exactly the slots attention reads: seen as [blocks * H * block_size, D],
+        # row ((block * H) + head) * block_size + offset is one key of one head; reading the rows in the
+        # order (sequence, head, position) lays each head's keys side by side in token order, the layout
+        # chapter 3's cache hands attention, contiguous (no unused tail of the last block is copied)
+        b = rows.shape[0]
         _, H, bs, D = pool_layer.shape
-        index = self._head_index(rows, H)
-        out = None if slot is None else self.workspace.take(slot, (index.numel(), bs, D), pool_layer)
-        x = torch.index_select(pool_layer.view(-1, bs, D), 0, index, out=out)
-        return x.view(b, H, width * bs, D)[:, :, :length]
+        index = self._slot_index(rows, H, bs, length)
+        out = None if slot is None else self.workspace.take(slot, (index.numel(), D), pool_layer)
+        x = torch.index_select(pool_layer.view(-1, D), 0, index, out=out)
+        return x.view(b, H, length, D)
 
-    def _head_index(self, rows: torch.Tensor, H: int) -> torch.Tensor:
-        """Rows ``block * H + head`` of the flat pool, in the order (sequence, head, block): made once per
-        table per step (the same in every layer, for keys and values)."""
-        key = (rows.data_ptr(), tuple(rows.shape), tuple(rows.stride()))   # the step's tables live all step
+    def _slot_index(self, rows: torch.Tensor, H: int, bs: int, length: int) -> torch.Tensor:
+        """Rows of the flat pool for the first ``length`` positions of every table, in the order
+        (sequence, head, position): made once per table per step (the same in every layer, for keys
+        and values)."""
+        key = (rows.data_ptr(), tuple(rows.shape), tuple(rows.stride()), length, H, bs)   # tables live all step
         if key not in self._index:
-            self._index[key] = (rows[:, None, :] * H + torch.arange(H, device=rows.device)[None, :, None]).reshape(-1)
+            pos = torch.arange(length, device=rows.device)
+            block = rows[:, pos // bs]                                                     # [b, length]
+            heads = torch.arange(H, device=rows.device)[None, :, None]
+            self._index[key] = ((block[:, None, :] * H + heads) * bs + (pos % bs)).reshape(-1)
         return self._index[key]
 
     def attend(self, q, pool_k, pool_v, attention_fn, additive: bool):

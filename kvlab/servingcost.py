@@ -54,10 +54,11 @@ def ragged_vs_contiguous(model, rows: int, context: int, repeats: int = 5, budge
 
 
 def gather_bytes(model, rows: int, context: int, block_size: int = 16) -> int:
-    """Bytes one decode step's gather writes (it reads as many): whole blocks of keys and values, every
-    layer, for ``rows`` sequences holding ``context + 1`` tokens each."""
+    """Bytes one decode step's gather writes (it reads as many): the keys and values of exactly the
+    slots attention reads (the unused tail of a last block is not copied), every layer, for ``rows``
+    sequences holding ``context + 1`` tokens each. ``block_size`` does not change the count."""
     n_layer, heads, head_dim = kv_dims(model.config)
-    slots = rows * blocks_for(context + 1, block_size) * block_size
+    slots = rows * (context + 1)
     return 2 * n_layer * slots * heads * head_dim * next(model.parameters()).element_size()
 
 

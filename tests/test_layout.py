@@ -16,7 +16,7 @@ REPO = ROOT.parent
 # What the book builds and computes (never prints, plots, times or grades): a domain module imports
 # only other domain modules (and third-party libraries).
 DOMAIN = {"gpt2", "cache", "validate", "configs", "catalogue", "paths", "memory", "flops", "quant",
-          "quant_cache", "batching", "roofline", "static", "paged", "paged_cache", "ragged", "pastlen", "serving", "loading",
+          "quant_cache", "batching", "roofline", "static", "paged", "paged_cache", "ragged", "pagedkernel", "pastlen", "serving", "loading",
           "reference", "quality", "speculative", "drafts", "specbatch",
           "gqa", "window", "latent", "designs", "forwardcheck", "weights", "matvec"}
 

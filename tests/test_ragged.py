@@ -129,6 +129,8 @@ def test_paged_decode_falls_back_and_warns_when_compile_fails(monkeypatch):
     def broken(*a):                          # what inductor raises on a machine whose g++ fails
         raise CppCompileError(["g++", "kernel.cpp"], "g++: fatal error: no input files")
 
+    from kvlab import pagedkernel
+    monkeypatch.setattr(pagedkernel, "usable", lambda q, pool: False)   # inductor's path is the one tested here
     kernel = ragged.PagedDecode()
     kernel.fn = broken
     g = torch.Generator().manual_seed(0)
@@ -158,3 +160,54 @@ def test_paged_decode_falls_back_and_warns_when_compile_fails(monkeypatch):
     with pytest.raises(CompileLookalike):
         third(q, pool_k, pool_v, tables, 7)
     assert third.broken is None
+
+
+
+@pytest.mark.parametrize("b, H, bs, D, length", [(2, 2, 4, 8, 7), (3, 4, 16, 64, 257), (1, 1, 4, 8, 1),
+                                                 (5, 3, 8, 16, 16), (4, 2, 16, 32, 33)])
+def test_the_cpp_kernel_reads_in_place_what_the_gather_reads(b, H, bs, D, length):
+    """kvlab.pagedkernel against the gather and the model's attention: tables out of id order, a last
+    block partly used, one key, a length at a block boundary; float32 within the gathered path's ATOL."""
+    from kvlab import pagedkernel
+
+    g = torch.Generator().manual_seed(b * 100 + length)
+    width = -(-length // bs)
+    nb = b * width + 2
+    pool_k, pool_v = torch.randn(nb, H, bs, D, generator=g), torch.randn(nb, H, bs, D, generator=g)
+    tables = torch.randperm(nb, generator=g)[:b * width].view(b, width)
+    q = torch.randn(b, H, 1, D, generator=g)
+    if not pagedkernel.usable(q, pool_k):
+        pytest.skip("no C++ compiler here: the kernel is not used either")
+    got = pagedkernel.paged_decode(q, pool_k, pool_v, tables, length)
+    k = pool_k[tables].transpose(1, 2).reshape(b, H, width * bs, D)[:, :, :length]
+    v = pool_v[tables].transpose(1, 2).reshape(b, H, width * bs, D)[:, :, :length]
+    assert got.shape == (b, H, 1, D) and (got - F.scaled_dot_product_attention(q, k, v)).abs().max() < ATOL
+
+
+def test_the_cpp_kernel_is_used_only_where_it_can_run_and_a_failed_build_falls_back(monkeypatch):
+    from kvlab import pagedkernel, ragged
+
+    q, pool = torch.randn(1, 1, 1, 8), torch.randn(2, 1, 4, 8)
+    assert not pagedkernel.usable(q.double(), pool.double())          # float32 only
+    assert not pagedkernel.usable(q.bfloat16(), pool.bfloat16())
+    with pytest.raises(ValueError, match="one query per row"):
+        pagedkernel.paged_decode(torch.randn(1, 1, 2, 8), pool, pool, torch.tensor([[0, 1]]), 5)
+    with pytest.raises(ValueError, match="at most width x block_size = 8"):
+        pagedkernel.paged_decode(q, pool, pool, torch.tensor([[0, 1]]), 9)
+
+    def no_compiler():
+        raise RuntimeError("Error building extension 'kvlab_paged_decode'")
+    monkeypatch.setattr(pagedkernel, "_module", no_compiler)
+    monkeypatch.setitem(pagedkernel._BUILT, "failed", None)
+    monkeypatch.setattr(pagedkernel.shutil, "which", lambda name: "/usr/bin/g++")
+    g = torch.Generator().manual_seed(3)
+    pool_k, pool_v = torch.randn(6, 2, 4, 8, generator=g), torch.randn(6, 2, 4, 8, generator=g)
+    q, tables = torch.randn(2, 2, 1, 8, generator=g), torch.tensor([[4, 1], [0, 5]])
+    kernel = ragged.PagedDecode()
+    kernel.fn = ragged.paged_decode                                    # eager: no compile in this test
+    with pytest.warns(UserWarning, match="C\\+\\+ paged decode kernel could not be built"):
+        got = kernel(q, pool_k, pool_v, tables, 7)
+    k = pool_k[tables].transpose(1, 2).reshape(2, 2, 8, 8)[:, :, :7]
+    v = pool_v[tables].transpose(1, 2).reshape(2, 2, 8, 8)[:, :, :7]
+    assert (got - F.scaled_dot_product_attention(q, k, v)).abs().max() < ATOL
+    assert not pagedkernel.usable(q, pool_k)                         # never tried again in this process

@@ -18,9 +18,10 @@ class EngineConfig:
     :class:`~kvlab.serving.scheduler.Scheduler`). ``max_len`` is the contiguous reservation per
     sequence (``admission="contiguous"`` only). ``exact_attention``: a prompt chunk scores its visible
     pairs only (:func:`kvlab.ragged.causal_chunk`), not its whole rectangle in one masked call.
-    ``paged_attention``: decode rows read their keys in place from the blocks through a compiled
-    kernel (:func:`kvlab.ragged.paged_decode`, where torch.compile can run); False copies them out of
-    the blocks first (the gather) and runs the model's attention on the copy."""
+    ``paged_attention``: decode rows read their keys in place from the blocks (on a CPU,
+    :mod:`kvlab.pagedkernel`'s C++ loop; elsewhere the compiled :func:`kvlab.ragged.paged_decode`,
+    where torch.compile can run); False copies them out of the blocks first (the gather) and runs the
+    model's attention on the copy."""
 
     num_blocks: int
     block_size: int = 16
