@@ -130,6 +130,8 @@ def _variant(**changes):
                     done = {id(s) for s, _ in batch.work}
                     pool = [s for s in self.running if id(s) not in done]
                     victim = pool[0] if changes.get("oldest_victim") else pool[-1]
+                    if changes.get("largest_victim"):          # "free the most memory": by blocks held
+                        victim = max(pool, key=lambda s: len(s.block_table))
                     self.preempt(victim, batch)
                     if changes.get("lose_tokens"):
                         victim.output.clear()
@@ -162,6 +164,8 @@ def _variant(**changes):
 WRONG = [
     (_variant(past_budget=True), ["admit past the budget"]),
     (_variant(oldest_victim=True), ["preempt the newest"]),
+    # issue 34 walkthrough: the victim chosen by size was told only the rule, not what it did
+    (_variant(largest_victim=True), ["preempt the newest", "held the most blocks", "not by size"]),
     (_variant(lose_tokens=True), ["preempted", "lost tokens"]),
     (_variant(skip_prefilling=True), ["starve a running request"]),
     # issue 34, kind 7: prompt chunks before decodes, seen also when the step has no room left
@@ -178,7 +182,7 @@ WRONG = [
 ]
 
 
-@pytest.mark.parametrize("impl,needles", WRONG, ids=["past-budget", "oldest-victim", "lost-tokens", "starves", "chunks-first", "grant-unasked",
+@pytest.mark.parametrize("impl,needles", WRONG, ids=["past-budget", "oldest-victim", "largest-victim", "lost-tokens", "starves", "chunks-first", "grant-unasked",
                                                       "run-unasked", "admit-after-preempt",
                                                       "overtakes", "no-chunks", "cached-twice"])
 def test_wrong_schedulers_rejected(impl, needles):

@@ -115,12 +115,22 @@ def _verify_victims(sch, snap, batch, where) -> None:
         if id(v) not in logged or v not in sch.waiting:
             raise fail(NAME_SCHED, f"{where}: request {v.rid} lost its blocks but did not go through self.preempt "
                                    "(which frees them and puts it first in the queue to be recomputed)")
-    for v, scheduled, running in sch.preempt_log:
+    for (v, scheduled, running), sizes in zip(sch.preempt_log, sch.preempt_sizes):
         newer = [s for s in running[running.index(v) + 1:] if id(s) not in scheduled]
         if newer:
+            # the candidates the rule chooses among; a victim that held strictly the most blocks of them
+            # was likely picked by size (a common misreading: "free the most memory")
+            held = {id(s): sizes.get(id(s), 0) for s in running if id(s) not in scheduled}
+            mine = held.get(id(v), 0)
+            by_size = mine >= max(held.values()) > min(held.values())     # the largest (ties too), sizes differing
+            ties = [s.rid for s in running if s is not v and held.get(id(s)) == mine]
+            size = (f" Request {v.rid} held the most blocks of those that had not run ({mine}"
+                    + (f", as many as request {ties[0]}" if ties else "") + "): the rule chooses by admission "
+                    "order, not by size" if by_size else "")
             raise fail(NAME_SCHED, f"{where}: you preempted request {v.rid} while request {newer[-1].rid}, admitted "
                                    f"after it, held blocks and had not run in this step: preempt the newest running "
-                                   "sequence not yet scheduled (the last admitted), so the oldest are never starved")
+                                   "sequence not yet scheduled (the last admitted), so the oldest are never starved."
+                                   + size)
     if victims and snap["need"] <= snap["free"]:
         raise fail(NAME_SCHED, f"{where}: you preempted {[v.rid for v in victims]} although the {snap['free']} free "
                                f"blocks could hold every running sequence's next tokens ({snap['need']} blocks): "
@@ -201,6 +211,7 @@ def _graded_class(Scheduler, title):
             """Logged: who was preempted, which sequences had run in this step by then, who was running."""
             done = {id(s) for s, _ in batch.work} if batch is not None else set()
             self.preempt_log.append((seq, done, list(self.running)))
+            self.preempt_sizes.append({id(s): len(s.block_table) for s in self.running})   # blocks held then
             return super().preempt(seq, batch)
 
         def grant(self, batch, seq, n):
@@ -215,7 +226,7 @@ def _graded_class(Scheduler, title):
 
         def schedule(self):
             Graded.step += 1
-            self.preempt_log, self.refused_grant = [], None
+            self.preempt_log, self.preempt_sizes, self.refused_grant = [], [], None
             snap = _snapshot(self)
             try:
                 batch = Scheduler.schedule(self)
