@@ -20,10 +20,11 @@ from .timing import Budget, compare
 
 def ragged_vs_contiguous(model, rows: int, context: int, repeats: int = 5, budget: Budget | None = None) -> dict:
     """Interleaved timings of one decode step of ``rows`` sequences holding ``context`` tokens each
-    (equal lengths): the engine's ragged step on the paged pool with its keys read in place (the
-    compiled :func:`kvlab.ragged.paged_decode`) and with the gather (every key copied out of the
-    blocks first), chapter 3's batched step on a contiguous :class:`~kvlab.cache.PreallocatedCache`
-    (rewound after each run, so every run is the same step), and the gather alone (every layer's keys
+    (equal lengths): the engine's ragged step on the paged pool with its keys read in place
+    (:class:`kvlab.ragged.PagedDecode`: the C++ loop on a CPU) and with the gather (every key copied
+    out of the blocks first), chapter 3's batched step on a contiguous :class:`~kvlab.cache.PreallocatedCache`
+    (rewound after each run, so every run is the same step; its greedy tokens picked, as the ragged
+    step picks them), and the gather alone (every layer's keys
     and values copied out, as the gathering step copies them). The first call of the paged step,
     which compiles, is made before the timing. ``budget`` (a :class:`kvlab.timing.Budget`) may cut the
     rounds; its note says how many."""
@@ -38,9 +39,9 @@ def ragged_vs_contiguous(model, rows: int, context: int, repeats: int = 5, budge
     (L, (_, tables)), = segs.decode.items()
     runner.run(decode)                       # compiles the paged kernel for these shapes (not timed)
 
-    def contiguous():
+    def contiguous():          # a step gives its next tokens, as the ragged one does: the argmax is in it
         with torch.no_grad():
-            model(ids[:, context:], cache, last_only=True)
+            model(ids[:, context:], cache, last_only=True)[:, -1].argmax(-1).tolist()
         cache.rewind(context)
 
     def gather():

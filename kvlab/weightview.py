@@ -65,12 +65,12 @@ def _bound(r: dict) -> str:
     """What sets a row's floor: its bytes, or the arithmetic at its dtype's measured matmul rate."""
     if r["floor_per_token"] > r["bytes_floor_per_token"] * (1 + 1e-9):
         return f"{str(r['flops_dtype']).replace('torch.', '')} arithmetic at {r['flops_rate'] / 1e9:.0f} GFLOP/s measured"
-    return "its bytes"
+    return "the bytes read"
 
 
 def floor_words(r: dict, base: dict) -> str:
     """A format's floor against fp32's, in the right direction, and what sets each: "their floor is
-    1.92x lower (set by its bytes)", or "8.27x higher: set by bf16 arithmetic at 12 GFLOP/s measured,
+    1.92x lower, set by the bytes read", or "8.27x higher: set by bf16 arithmetic at 12 GFLOP/s measured,
     where fp32's is set by its bytes" (a device whose bf16 matmuls are slow)."""
     ratio = base["floor_per_token"] / r["floor_per_token"]
     if abs(ratio - 1) < 1e-3:

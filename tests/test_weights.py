@@ -200,7 +200,7 @@ def test_format_sentences_follow_the_measured_ratio():
             row("bf16-slow-arith", [8.0, 8.1, 7.9], 8.27, bytes_floor=0.5)]
     text = weightview.format_sentences(rows)
     int8, bf16, slow, arith = text
-    assert "int8 weights run at 2.00x the speed of fp32 (their floor is 4.00x lower, set by its bytes)" in int8
+    assert "int8 weights run at 2.00x the speed of fp32 (their floor is 4.00x lower, set by the bytes read)" in int8
     assert "their floor is 8.27x HIGHER than fp32's: set by bfloat16 arithmetic at 12 GFLOP/s measured" in arith
     assert "by bytes alone it would be 2.00x lower" in arith and "0.12x" not in arith
     assert "int8 faster in every one of the 3 rounds" in int8 and "1 torch thread" in int8
