@@ -74,14 +74,22 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor pool_k, torch::Tensor 
 }
 """
 
-_BUILT = {"module": None, "failed": None}
+_BUILT = {"module": None, "failed": None, "compiler": None}
+
+
+def has_compiler() -> bool:
+    """Whether a C++ compiler (``$CXX``, else g++) is on the PATH: looked up once per process, not at
+    every layer of every step (this kernel and inductor's CPU backend both need one)."""
+    if _BUILT["compiler"] is None:
+        _BUILT["compiler"] = shutil.which(os.environ.get("CXX", "g++")) is not None
+    return _BUILT["compiler"]
 
 
 def usable(q, pool_k) -> bool:
     """True where this kernel can run: float32 tensors on a CPU, a C++ compiler present, no failed
     build in this process."""
     return (_BUILT["failed"] is None and q.device.type == "cpu" and pool_k.device.type == "cpu"
-            and q.dtype == pool_k.dtype == torch.float32 and shutil.which(os.environ.get("CXX", "g++")) is not None)
+            and q.dtype == pool_k.dtype == torch.float32 and has_compiler())
 
 
 def _vector_flags() -> list[str]:

@@ -47,8 +47,6 @@ blocks into a workspace the runner keeps from step to step (:class:`Workspace`).
 from __future__ import annotations
 
 import math
-import os
-import shutil
 import warnings
 
 import torch
@@ -135,9 +133,9 @@ def paged_decode(q, pool_k, pool_v, tables, length: int):
 class PagedDecode:
     """Decode rows read in place: on a CPU with float32 pools, :mod:`kvlab.pagedkernel`'s hand-written
     loop (built once); elsewhere :func:`paged_decode`, compiled once per process (``dynamic=True``: a
-    few shapes compile, then any batch and length reuse them). ``usable()`` is False where inductor cannot run (a CPU without
-    a C++ compiler, a device other than cpu/cuda) or after a compile failed (warned once); the
-    caller then uses the gather."""
+    few shapes compile, then any batch and length reuse them). ``usable()`` is False where inductor
+    cannot run (a CPU without a C++ compiler, a device other than cpu/cuda) or after a compile failed
+    (warned once); the caller then uses the gather."""
 
     def __init__(self):
         self.fn, self.broken = None, None
@@ -147,7 +145,7 @@ class PagedDecode:
             return False
         kind = torch.device(device).type
         if kind == "cpu":
-            return shutil.which(os.environ.get("CXX", "g++")) is not None
+            return pagedkernel.has_compiler()
         return kind == "cuda"
 
     def __call__(self, q, pool_k, pool_v, tables, length: int):

@@ -54,10 +54,10 @@ def ragged_vs_contiguous(model, rows: int, context: int, repeats: int = 5, budge
     return compare(fns, warmup=2, repeats=repeats, progress=False, budget=budget)
 
 
-def gather_bytes(model, rows: int, context: int, block_size: int = 16) -> int:
+def gather_bytes(model, rows: int, context: int) -> int:
     """Bytes one decode step's gather writes (it reads as many): the keys and values of exactly the
     slots attention reads (the unused tail of a last block is not copied), every layer, for ``rows``
-    sequences holding ``context + 1`` tokens each. ``block_size`` does not change the count."""
+    sequences holding ``context + 1`` tokens each (whatever the block size)."""
     n_layer, heads, head_dim = kv_dims(model.config)
     slots = rows * (context + 1)
     return 2 * n_layer * slots * heads * head_dim * next(model.parameters()).element_size()

@@ -108,8 +108,6 @@ def _reference_floor(model, batch_size, seq_len, bandwidth, flops):
     return roofline.step_time_floor(model, batch_size, seq_len, bandwidth, flops)
 
 
-
-
 def _fast_references():
     """The references above, as fast as arithmetic: bytes and FLOPs are exactly linear in the batch
     (integers), so each (model, seq_len) is read off the model once and every later call is a
@@ -185,9 +183,11 @@ def _shape(model):
 def _too_slow(c) -> str:
     """Why a call on case ``c`` ran past the limit: no critical batch (a loop that never ends), or one
     far out (a walk one batch at a time, which the stand-in counters make fast, still too long)."""
-    crit = c.get("crit", None)
-    if "crit" not in c or crit is None:
-        return _ENDLESS + ("" if "crit" not in c else " (here no batch is: this case has no critical batch)")
+    if "crit" not in c:                     # not a critical-batch case
+        return _ENDLESS
+    crit = c["crit"]
+    if crit is None:
+        return _ENDLESS + " (here no batch is: this case has no critical batch)"
     return (f"Here a critical batch exists, {crit:,}: a search that walks one batch at a time takes that many "
             "steps. Find it without walking: bytes and FLOPs are both straight lines in the batch, so solve where "
             "they cross and settle the integer, or double the batch until the step is compute-bound and bisect")

@@ -118,8 +118,8 @@ def _verify_victims(sch, snap, batch, where) -> None:
     for (v, scheduled, running), sizes in zip(sch.preempt_log, sch.preempt_sizes):
         newer = [s for s in running[running.index(v) + 1:] if id(s) not in scheduled]
         if newer:
-            # the candidates the rule chooses among; a victim that held strictly the most blocks of them
-            # was likely picked by size (a common misreading: "free the most memory")
+            # the candidates the rule chooses among; a victim that held the most blocks of them (ties
+            # included, sizes not all equal) was likely picked by size (a misreading: "free the most memory")
             held = {id(s): sizes.get(id(s), 0) for s in running if id(s) not in scheduled}
             mine = held.get(id(v), 0)
             by_size = mine >= max(held.values()) > min(held.values())     # the largest (ties too), sizes differing
