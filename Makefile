@@ -54,14 +54,18 @@ labs-check: venv
 grade: venv
 	$(PY) -m kvlab.course.grade $(if $(LAB),--lab $(LAB)) $(GRADE_ARGS)
 
+# KVLAB_PROBE_FILE: the machine's bandwidth and matmul rate, measured once per build by the first
+# page that needs them and read by every later page (kvlab.probes.machine), so no two pages of one
+# book divide by different figures.
 book: cxx venv node
-	$(VENV)/bin/jupyter-book build . -W -n --keep-going
+	KVLAB_PROBE_FILE=$(CURDIR)/_build/probes.json $(VENV)/bin/jupyter-book build . -W -n --keep-going
 	@echo; echo "Book built. Open: file://$(CURDIR)/_build/html/index.html"
 
 # The book build the tests use: from scratch (no execution cache), warnings are errors.
 build-strict: cxx venv node
 	rm -rf _build/test-html
-	$(VENV)/bin/jupyter-book build . -W -n --keep-going --path-output _build/test-html
+	KVLAB_PROBE_FILE=$(CURDIR)/_build/test-html/probes.json \
+		$(VENV)/bin/jupyter-book build . -W -n --keep-going --path-output _build/test-html
 	$(PY) tests/check_built_book.py _build/test-html/_build/html
 
 # The strict build in headless Chromium: every page of _toc.yml (see tests/browser_check.py);

@@ -28,6 +28,7 @@ _SOURCE = r"""
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <cmath>
+#include <algorithm>
 #include <limits>
 #include <vector>
 
@@ -43,31 +44,47 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor pool_k, torch::Tensor 
   const int64_t* T = tables.data_ptr<int64_t>();
   float* O = out.data_ptr<float>();
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
+  const int64_t nblocks = (length + bs - 1) / bs;
   at::parallel_for(0, b * H, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> score(length);
+    std::vector<float> score(nblocks * bs), acc(D);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t row = task / H, head = task % H;
       const int64_t* table = T + row * width;
       const float* qv = Q + task * D;
       float top = -std::numeric_limits<float>::infinity();
-      for (int64_t pos = 0; pos < length; ++pos) {            // scores, each key read in its block
-        const float* kv = K + ((table[pos / bs] * H + head) * bs + pos % bs) * D;
-        float dot = 0.f;
-        #pragma omp simd reduction(+:dot)
-        for (int64_t d = 0; d < D; ++d) dot += qv[d] * kv[d];
-        score[pos] = dot * scale;
-        top = score[pos] > top ? score[pos] : top;
+      // Block by block: a head's keys of one block lie side by side (bs x D floats), so the loop streams
+      // through them with no division per key (block and slot come from the loop, not from pos / bs).
+      for (int64_t j = 0; j < nblocks; ++j) {
+        const float* kb = K + (table[j] * H + head) * bs * D;
+        const int64_t n = std::min(bs, length - j * bs);      // the last block may be partly filled
+        float* s = score.data() + j * bs;
+        for (int64_t t = 0; t < n; ++t) {
+          const float* kv = kb + t * D;
+          float dot = 0.f;
+          #pragma omp simd reduction(+:dot)
+          for (int64_t d = 0; d < D; ++d) dot += qv[d] * kv[d];
+          s[t] = dot * scale;
+          top = s[t] > top ? s[t] : top;
+        }
       }
-      float total = 0.f;
+      float total = 0.f;                                      // softmax, shifted by the top score
       for (int64_t pos = 0; pos < length; ++pos) { score[pos] = std::exp(score[pos] - top); total += score[pos]; }
-      float* o = O + task * D;
-      for (int64_t d = 0; d < D; ++d) o[d] = 0.f;
-      for (int64_t pos = 0; pos < length; ++pos) {            // the weighted sum of the values
-        const float* vv = V + ((table[pos / bs] * H + head) * bs + pos % bs) * D;
-        const float p = score[pos] / total;
-        #pragma omp simd
-        for (int64_t d = 0; d < D; ++d) o[d] += p * vv[d];
+      float* a = acc.data();                                  // the weighted sum of the values, in L1
+      for (int64_t d = 0; d < D; ++d) a[d] = 0.f;
+      for (int64_t j = 0; j < nblocks; ++j) {
+        const float* vb = V + (table[j] * H + head) * bs * D;
+        const int64_t n = std::min(bs, length - j * bs);
+        const float* s = score.data() + j * bs;
+        for (int64_t t = 0; t < n; ++t) {
+          const float* vv = vb + t * D;
+          const float p = s[t];
+          #pragma omp simd
+          for (int64_t d = 0; d < D; ++d) a[d] += p * vv[d];
+        }
       }
+      const float inv = 1.0f / total;                         // normalised once, at the end
+      float* o = O + task * D;
+      for (int64_t d = 0; d < D; ++d) o[d] = a[d] * inv;
     }
   });
   return out;
@@ -110,7 +127,7 @@ def _module():
         if shutil.which("ninja") is None:      # torch runs `ninja`: the one pip put beside this Python
             os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
         vector = _vector_flags()
-        _BUILT["module"] = load_inline("kvlab_paged_decode" + ("_avx2" if vector else ""), cpp_sources=_SOURCE,
+        _BUILT["module"] = load_inline("kvlab_paged_decode_v2" + ("_avx2" if vector else ""), cpp_sources=_SOURCE,
                                        functions=["paged_decode"], extra_cflags=["-O3", "-fopenmp", *vector],
                                        extra_ldflags=["-fopenmp"], verbose=False)
     return _BUILT["module"]
@@ -121,6 +138,14 @@ def paged_decode(q, pool_k, pool_v, tables, length: int):
     ``[blocks, H, block_size, D]``, ``tables`` ``[b, width]``, ``length`` keys per row, every one
     visible): ``[b, H, 1, D]``, read in place. None if the kernel could not be built here (warned
     once); the caller then takes another way."""
+    tensors = (q, pool_k, pool_v)
+    if any(t.device.type != "cpu" or t.dtype != torch.float32 for t in tensors):
+        raise ValueError("paged_decode (the C++ kernel) takes float32 tensors on the CPU; got "
+                         + ", ".join(f"{n} {t.dtype} on {t.device}" for n, t in zip(("q", "pool_k", "pool_v"), tensors))
+                         + ": elsewhere call kvlab.ragged.PagedDecode(), which picks a way that runs there")
+    if pool_k.shape != pool_v.shape or q.shape[1] != pool_k.shape[1] or q.shape[3] != pool_k.shape[3]:
+        raise ValueError(f"paged_decode: q {list(q.shape)} and the pools {list(pool_k.shape)}, {list(pool_v.shape)} "
+                         "must agree: q [b, H, 1, D], pools [blocks, H, block_size, D]")
     if q.shape[2] != 1 or tables.shape[0] != q.shape[0] or length < 1 or length > tables.shape[1] * pool_k.shape[2]:
         raise ValueError(f"paged_decode: q {list(q.shape)} (one query per row), tables {list(tables.shape)}, "
                          f"length {length} (at most width x block_size = {tables.shape[1] * pool_k.shape[2]})")

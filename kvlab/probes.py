@@ -9,18 +9,28 @@ matrix-product rate of the dtype that does the arithmetic.
 
     m = probes.machine("cpu")            # {"bandwidth": ..., "flops": ..., "ridge": ..., ...}
     roofline.step_time_floor(model, 1, 128, m["bandwidth"], m["flops"])
+
+:func:`machine` measures once per (device, dtype, threads) and process, and, where the environment
+variable ``KVLAB_PROBE_FILE`` names a file (the Makefile's book builds set one), once per build: every
+page of a built book then divides by the same figures, whoever measured them first. On a machine
+shared with other work a probe moves from one measurement to the next (up to 2x on a small VM), and
+two pages of one book should not disagree on what the machine can stream.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import platform
 import statistics
+import time
 
 import torch
 import torch.utils.benchmark as benchmark
 
 from .configs import as_dtype
 from .loading import check_device
-from .provenance import threads_text
+from .provenance import device_name, threads_text
 from .timing import QUICK
 from .validate import check_int
 
@@ -233,17 +243,82 @@ def arithmetic_rate(device="cpu", dtype=torch.float32, threads: int | None = Non
     return rates[best], best
 
 
-def machine(device="cpu", dtype=torch.float32, threads: int | None = None, verbose: bool = True) -> dict:
+#: Measurements of this process, by key (see :func:`machine`).
+_MEASURED: dict = {}
+
+#: A shared measurement older than this is measured again (a build takes well under it).
+SHARED_MAX_AGE_S = 6 * 3600
+
+
+def _shared_file() -> str | None:
+    return os.environ.get("KVLAB_PROBE_FILE") or None
+
+
+def _read_shared(key: str) -> dict | None:
+    path = _shared_file()
+    try:
+        with open(path) as f:
+            entry = json.load(f).get(key) if path else None
+    except (OSError, ValueError):       # no file yet, or a half-written one: measure
+        return None
+    if not entry or time.time() - entry.get("measured_at", 0) > SHARED_MAX_AGE_S:
+        return None
+    return dict(entry, flops_dtype=as_dtype(entry["flops_dtype"]))
+
+
+def _write_shared(key: str, m: dict) -> None:
+    path = _shared_file()
+    if not path:
+        return
+    try:
+        with open(path) as f:
+            table = json.load(f)
+    except (OSError, ValueError):
+        table = {}
+    table[key] = dict(m, flops_dtype=str(m["flops_dtype"]).removeprefix("torch."))
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(table, f, indent=1)
+    os.replace(tmp, path)               # whole or not at all: a reader never sees half a file
+
+
+def machine(device="cpu", dtype=torch.float32, threads: int | None = None, verbose: bool = True,
+            fresh: bool = False) -> dict:
     """The machine's numbers at once: the best reader's bandwidth (the floor's, :func:`best_bandwidth`),
     the copy's beside it, the matmul rate of the dtype doing the arithmetic (:func:`arithmetic_rate`)
-    and the ridge point."""
+    and the ridge point; ``measured_at`` (seconds since the epoch) and ``shared`` (True when another
+    page of this build measured them: ``KVLAB_PROBE_FILE``). Measured once per device, dtype, thread
+    count, machine and torch version, in a process and in a build (module docstring); ``fresh``
+    measures again (and becomes the figure later calls get)."""
     device, dtype = check_device(device), as_dtype(dtype)     # before the first measurement
-    _threads(device, threads)
+    n = _threads(device, threads)
+    key = " | ".join((platform.node(), device_name(device), str(dtype).removeprefix("torch."), f"{n} threads",
+                      torch.__version__))
+    known = None if fresh else _MEASURED.get(key) or _read_shared(key)
+    if known is not None:
+        _MEASURED.setdefault(key, known)
+        if verbose:
+            print(f"bandwidth (best reader): {known['bandwidth'] / 1e9:.1f} GB/s ({known['reader']}), copy "
+                  f"{known['copy_bandwidth'] / 1e9:.1f} GB/s, matmul {known['flops'] / 1e9:.1f} GFLOP/s: "
+                  f"{measured_when(known)}")
+        return dict(known)
     bw, reader = best_bandwidth(device, verbose=verbose)
     copy = measure_bandwidth(device, verbose=verbose, kind="copy")
     fl, used = arithmetic_rate(device, dtype, verbose=verbose)
-    return {"bandwidth": bw, "reader": reader, "copy_bandwidth": copy, "flops": fl, "flops_dtype": used,
-            "ridge": fl / bw, "threads": torch.get_num_threads()}
+    m = {"bandwidth": bw, "reader": reader, "copy_bandwidth": copy, "flops": fl, "flops_dtype": used,
+         "ridge": fl / bw, "threads": torch.get_num_threads(), "measured_at": time.time(), "shared": False}
+    _MEASURED[key] = m
+    _write_shared(key, dict(m, shared=True))
+    return dict(m)
+
+
+def measured_when(m: dict) -> str:
+    """``"measured at 12:03 UTC by an earlier page of this build"`` or ``"... by this page"``: when
+    and by whom the figures of :func:`machine` were measured, for the sentence that uses them."""
+    at = time.strftime("%H:%M UTC", time.gmtime(m.get("measured_at", time.time())))
+    return f"measured at {at} " + ("by an earlier page of this build, shared by its pages" if m.get("shared")
+                                   else "by this page")
 
 
 def cpu_cache_bytes() -> int | None:

@@ -207,14 +207,16 @@ class Segments:
     sequence's keys from one layer's pool (lab 9's ``paged_gather`` contract) or None for the
     batched block gather. ``exact``: chunks through :func:`causal_chunk` (only the visible pairs)
     instead of one masked call. ``paged``: decode rows through :data:`PAGED_DECODE` (keys read in place)
-    instead of the gather and the model's attention. ``scored`` counts the (query, key) pairs :meth:`attend` scored, all
+    if True, through the gather and the model's attention if False; None (the default) reads them in
+    place where :mod:`kvlab.pagedkernel`'s C++ loop runs (a CPU, float32, a compiler) and gathers them
+    elsewhere. ``scored`` counts the (query, key) pairs :meth:`attend` scored, all
     layers together.
     """
 
     def __init__(self, n_tokens: int, decode: dict, chunks: list, gather=None, workspace: Workspace | None = None,
-                 exact: bool = False, paged: bool = False):
+                 exact: bool = False, paged: bool | None = None):
         self.n_tokens, self.decode, self.chunks, self.gather, self.exact = n_tokens, decode, chunks, gather, exact
-        self.paged = paged and gather is None
+        self.paged = False if gather is not None else paged     # a learner's gather is always the one used
         self.workspace = workspace or Workspace()
         self.scored = [0]
         self._masks: dict = {}          # the chunks' masks, made once per step (the same in every layer)
@@ -291,7 +293,11 @@ class Segments:
     def _decode(self, qs, pool_k, pool_v, L, tables, attention_fn):
         """``qs`` ``[b, H, 1, D]``: rows of one length ``L``, every key visible (no mask to apply)."""
         self.scored[0] += qs.shape[0] * L
-        if self.paged and PAGED_DECODE.usable(qs.device):
+        if self.paged is None and pagedkernel.usable(qs, pool_k):     # the default: in place where the C++ loop runs
+            out = pagedkernel.paged_decode(qs, pool_k, pool_v, tables, L)
+            if out is not None:                                         # None: its build failed (warned once)
+                return out
+        elif self.paged and PAGED_DECODE.usable(qs.device):
             return PAGED_DECODE(qs, pool_k, pool_v, tables, L)
         k, v = self.keys(pool_k, tables, L, 0), self.keys(pool_v, tables, L, 1)
         return attention_fn(qs, k, v, None)

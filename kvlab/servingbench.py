@@ -159,7 +159,7 @@ def _random_tokens(rng, n, vocab):
 
 
 def prepared_steps(model, rows: int, context: int, prompt_len: int, block_size: int = 16, gather=None,
-                   cached: int = 0, exact: bool = False, paged: bool = False):
+                   cached: int = 0, exact: bool = False, paged: bool | None = None):
     """A runner with ``rows`` sequences of ``context`` cached tokens, each due one decode token, and
     one prompt of ``cached + prompt_len`` tokens whose first ``cached`` are in its blocks already (a
     chunk after a cached prefix): ``(runner, decode work, prefill work)``. Running a step does not
@@ -220,12 +220,13 @@ def mixed_floors(model, rows: int, context: int, prompt_len: int, bandwidth: flo
 def block_size_timings(model, variants: dict, rows: int, context: int, repeats: int = 5,
                        budget: Budget | None = None) -> dict:
     """Median seconds of one decode step of ``rows`` sequences holding ``context`` tokens each, per
-    variant ``name -> (block_size, gather)`` (``gather=None``: one indexing op for the whole step);
-    ``budget`` may cut the rounds."""
+    variant ``name -> (block_size, gather, paged)`` (``gather``: lab 9's one-sequence contract, or None;
+    ``paged``: the runner's, None reading keys in place where the C++ kernel runs); ``budget`` may cut
+    the rounds."""
 
     fns = {}
-    for name, (bs, gather) in variants.items():
-        runner, decode, _ = prepared_steps(model, rows, context, 1, bs, gather)
+    for name, (bs, gather, paged) in variants.items():
+        runner, decode, _ = prepared_steps(model, rows, context, 1, bs, gather, paged=paged)
         fns[name] = lambda runner=runner, decode=decode: runner.run(decode)
     return compare(fns, warmup=1, repeats=repeats, progress=False, budget=budget)
 

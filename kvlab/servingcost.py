@@ -29,7 +29,7 @@ def ragged_vs_contiguous(model, rows: int, context: int, repeats: int = 5, budge
     which compiles, is made before the timing. ``budget`` (a :class:`kvlab.timing.Budget`) may cut the
     rounds; its note says how many."""
     runner, decode, _ = prepared_steps(model, rows, context, 1, paged=True)
-    copying = prepared_steps(model, rows, context, 1)
+    copying = prepared_steps(model, rows, context, 1, paged=False)
     cache = model.new_cache(rows, context + 1)
     ids = torch.randint(1, model.config.vocab_size, (rows, context + 1), device=runner.device)
     with torch.no_grad():

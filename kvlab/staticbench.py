@@ -89,6 +89,7 @@ def _rows(hf, res, first, matvec, m, prompt_len, new_tokens, decoders) -> list[d
                  ratio=t.median / n / floor, new_tokens=n, prompt_len=prompt_len, compile_s=None,
                  break_even=None, matvec_per_token=matvec, weight_s=roofline.weight_read_bytes(hf, 1) / bw,
                  static_floor=static_floor(hf, prompt_len + n, bw, fl), timing=t, bandwidth=bw,
+                 probe_when=probes.measured_when(m),
                  achieved=roofline.achieved_bandwidth(hf, 1, prompt_len, n, t.median))
         if name in decoders:     # kept for step_breakdown: the profile reuses this compilation
             r.update(decoder=decoders[name], matvec=decoders[name].matvec,

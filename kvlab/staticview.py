@@ -39,6 +39,9 @@ def print_rows(rows: list[dict]) -> None:
            "of read probe": f"{r['achieved'] / r['bandwidth']:.0%}", "read probe GB/s": f"{r['bandwidth'] / 1e9:.1f}",
            "compile s": "-" if r["compile_s"] is None else f"{r['compile_s']:.1f}", "pays off after": pays(r)}
           for r in rows])
+    for bw, when in dict.fromkeys((r["bandwidth"], r.get("probe_when")) for r in rows):
+        if when:
+            print(f"read probe {bw / 1e9:.1f} GB/s: {when}")
 
 
 def plot_rows(rows: list[dict], ax) -> None:

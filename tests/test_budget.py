@@ -152,7 +152,7 @@ def test_the_serving_timings_keep_their_first_rounds_for_every_variant(ours):
     mix = mixed_step_timings(ours, 2, 16, 8, repeats=4, budget=budget)
     assert {len(t.samples) for t in mix.values()} == {2} and "rounds 3 to 4" in budget.note
     budget = tiny_budget("the block-size rounds")
-    step = block_size_timings(ours, {"block 4": (4, None), "block 16": (16, None)}, rows=2, context=16, repeats=5,
+    step = block_size_timings(ours, {"block 4": (4, None, None), "block 16": (16, None, False)}, rows=2, context=16, repeats=5,
                               budget=budget)
     assert {len(t.samples) for t in step.values()} == {2} and all(min(t.samples) > 0 for t in step.values())
 

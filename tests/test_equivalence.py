@@ -117,13 +117,14 @@ def test_the_whole_context(setup):
         generate(ours, ids, 7)
 
 
-@pytest.mark.parametrize("exact,paged", [(False, False), (True, False), (False, True)],
-                         ids=["masked-chunks", "exact-split", "paged-decode"])
+@pytest.mark.parametrize("exact,paged", [(False, False), (True, False), (False, True), (False, None)],
+                         ids=["masked-chunks", "exact-split", "paged-decode", "engine-default"])
 def test_serving_engine_gives_each_prompt_its_own_tokens(setup, prompts, want, exact, paged):
     """Chapter 9: every prompt inside the engine (ragged steps, requests joining mid-run, a shared prefix
     forked), tokens equal to the prompt alone; blocks of 4 (boundaries crossed and hit); prompt chunks
     through one masked call, or through the exact split that scores the visible pairs only; decode rows
-    through the gather, or read in place by the compiled paged kernel."""
+    through the gather, read in place by the paged kernel, or the engine's default (in place where the
+    C++ kernel runs, gathered elsewhere)."""
     _, _, ours = setup
     eng = Engine(ours, num_blocks=64, block_size=4, max_num_seqs=3, max_num_batched_tokens=8, exact_attention=exact,
                  paged_attention=paged)

@@ -194,6 +194,10 @@ def test_the_cpp_kernel_is_used_only_where_it_can_run_and_a_failed_build_falls_b
         pagedkernel.paged_decode(torch.randn(1, 1, 2, 8), pool, pool, torch.tensor([[0, 1]]), 5)
     with pytest.raises(ValueError, match="at most width x block_size = 8"):
         pagedkernel.paged_decode(q, pool, pool, torch.tensor([[0, 1]]), 9)
+    with pytest.raises(ValueError, match="float32 tensors on the CPU; got q torch.float64"):
+        pagedkernel.paged_decode(q.double(), pool.double(), pool.double(), torch.tensor([[0, 1]]), 5)
+    with pytest.raises(ValueError, match="must agree"):
+        pagedkernel.paged_decode(torch.randn(1, 2, 1, 8), pool, pool, torch.tensor([[0, 1]]), 5)
 
     def no_compiler():
         raise RuntimeError("Error building extension 'kvlab_paged_decode'")
@@ -211,3 +215,25 @@ def test_the_cpp_kernel_is_used_only_where_it_can_run_and_a_failed_build_falls_b
     v = pool_v[tables].transpose(1, 2).reshape(2, 2, 8, 8)[:, :, :7]
     assert (got - F.scaled_dot_product_attention(q, k, v)).abs().max() < ATOL
     assert not pagedkernel.usable(q, pool_k)                         # never tried again in this process
+
+
+def test_the_default_reads_in_place_where_the_cpp_kernel_runs_and_a_learners_gather_is_kept(ours, monkeypatch):
+    """paged=None (the engine's default): decode rows go through kvlab.pagedkernel on a float32 CPU
+    model with a compiler; paged=False and a learner's gather never do; the tokens are the same."""
+    from kvlab import pagedkernel
+    from kvlab.paged import paged_gather
+    from kvlab.serving import EngineConfig
+
+    if not pagedkernel.usable(torch.zeros(1, dtype=torch.float32), torch.zeros(1, dtype=torch.float32)):
+        pytest.skip("no C++ compiler here: the default gathers, as paged=False does")
+    calls, real = [], pagedkernel.paged_decode
+    monkeypatch.setattr(pagedkernel, "paged_decode", lambda *a: calls.append(a[4]) or real(*a))
+    tokens = {}
+    for name, kw in {"default": {}, "gather": {"paged": False}, "learner": {"gather": paged_gather}}.items():
+        calls.clear()
+        runner, decode, _ = prepared_steps(ours, 3, 21, 1, block_size=4, **kw)
+        tokens[name] = runner.run(decode)
+        assert (len(calls) == ours.config.n_layer) == (name == "default"), (name, calls)
+    assert tokens["default"] == tokens["gather"] == tokens["learner"]
+    with pytest.raises(ValueError, match="paged_attention must be True, False or None"):
+        EngineConfig(8, paged_attention="yes")

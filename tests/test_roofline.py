@@ -228,3 +228,45 @@ def test_generation_bytes_is_the_floors_memory_term():
     b = roofline.generation_bytes(m, 2, 7, 5)
     assert b == sum(roofline.decode_step_bytes(m, 2, s) for s in range(7, 12))
     assert abs(b / 1e9 - roofline.generation_floor(m, 2, 7, 5, 1e9, 1e30)) < 1e-12
+
+
+def test_the_machine_is_measured_once_per_build_and_shared(monkeypatch, tmp_path, capsys):
+    """probes.machine: one measurement per (device, dtype, threads) in a process, and through
+    KVLAB_PROBE_FILE one per build; another thread count, a stale entry or fresh=True measure again;
+    a half-written file is measured over, never read."""
+    calls = []
+
+    def best(device, verbose=True):
+        calls.append("best")
+        return 30e9 + len(calls), "read, 128 MiB"
+    monkeypatch.setattr(probes, "best_bandwidth", best)
+    monkeypatch.setattr(probes, "measure_bandwidth", lambda *a, **k: 15e9)
+    monkeypatch.setattr(probes, "arithmetic_rate", lambda *a, **k: (50e9, torch.float32))
+    monkeypatch.setattr(probes, "_MEASURED", {})
+    shared = tmp_path / "probes.json"
+    monkeypatch.setenv("KVLAB_PROBE_FILE", str(shared))
+    threads = torch.get_num_threads()
+    try:
+        first = probes.machine("cpu", threads=threads, verbose=False)
+        assert not first["shared"] and probes.measured_when(first).endswith("by this page")
+        assert probes.machine("cpu", threads=threads, verbose=False)["bandwidth"] == first["bandwidth"]
+        monkeypatch.setattr(probes, "_MEASURED", {})            # another page of the build: a new process
+        other = probes.machine("cpu", threads=threads)
+        assert other["bandwidth"] == first["bandwidth"] and other["shared"] and other["flops_dtype"] is torch.float32
+        assert "by an earlier page of this build" in capsys.readouterr().out
+        assert len(calls) == 1
+        probes.machine("cpu", threads=1, verbose=False)           # another thread count is another machine
+        assert len(calls) == 2
+        again = probes.machine("cpu", threads=threads, verbose=False, fresh=True)
+        assert len(calls) == 3 and again["bandwidth"] != first["bandwidth"]
+        monkeypatch.setattr(probes, "_MEASURED", {})
+        monkeypatch.setattr(probes, "SHARED_MAX_AGE_S", -1)      # every entry stale: measured again
+        probes.machine("cpu", threads=threads, verbose=False)
+        assert len(calls) == 4
+        monkeypatch.setattr(probes, "SHARED_MAX_AGE_S", 3600)
+        monkeypatch.setattr(probes, "_MEASURED", {})
+        shared.write_text('{"half a')                               # a torn file: measured, then rewritten
+        probes.machine("cpu", threads=threads, verbose=False)
+        assert len(calls) == 5 and '"bandwidth"' in shared.read_text()
+    finally:
+        torch.set_num_threads(threads)

@@ -293,3 +293,15 @@ def test_faster_names_the_threads_the_samples_ran_with():
         assert "with 2 torch threads" in untagged          # not recorded: torch's current count
     finally:
         torch.set_num_threads(before)
+
+
+def test_every_round_beside_a_spread_past_one_is_explained():
+    """Chapters 8-11: a variant that won each paired round while both drifted together has a spread
+    interval that crosses 1.00; the sentence says why both are true, and only then."""
+    drift = [1.0, 1.6, 1.1, 2.0, 1.2]
+    a = Timing("a", [x * 0.8 for x in drift])
+    b = Timing("b", drift)
+    said = verdicts.faster(a, b, "cpu")
+    assert "faster in every one of the 5 rounds" in said and "reaches past 1.00" in said, said
+    steady = verdicts.faster(Timing("a", [0.50, 0.51, 0.50, 0.52, 0.50]), Timing("b", [1.0, 1.01, 1.0, 1.02, 1.0]), "cpu")
+    assert "faster in every one of the 5 rounds" in steady and "reaches past" not in steady, steady

@@ -18,10 +18,11 @@ class EngineConfig:
     :class:`~kvlab.serving.scheduler.Scheduler`). ``max_len`` is the contiguous reservation per
     sequence (``admission="contiguous"`` only). ``exact_attention``: a prompt chunk scores its visible
     pairs only (:func:`kvlab.ragged.causal_chunk`), not its whole rectangle in one masked call.
-    ``paged_attention``: decode rows read their keys in place from the blocks (on a CPU,
+    ``paged_attention``: True, decode rows read their keys in place from the blocks (on a CPU,
     :mod:`kvlab.pagedkernel`'s C++ loop; elsewhere the compiled :func:`kvlab.ragged.paged_decode`,
     where torch.compile can run); False copies them out of the blocks first (the gather) and runs the
-    model's attention on the copy."""
+    model's attention on the copy; None (the default) reads them in place where the C++ loop runs
+    (a CPU, float32 pools, a C++ compiler) and gathers them everywhere else."""
 
     num_blocks: int
     block_size: int = 16
@@ -34,7 +35,7 @@ class EngineConfig:
     batching: str = "continuous"
     running_order: str = "decode-first"
     exact_attention: bool = False
-    paged_attention: bool = False
+    paged_attention: bool | None = None
 
     def __post_init__(self):
         check_int(self.num_blocks, "num_blocks (blocks in the pool)", 1)
@@ -47,6 +48,9 @@ class EngineConfig:
                 raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
         if self.admission == "contiguous" or self.max_len is not None:
             check_int(self.max_len, "max_len (the contiguous reservation per sequence)", 1)
-        for name in ("chunked_prefill", "prefix_caching", "exact_attention", "paged_attention"):
+        for name in ("chunked_prefill", "prefix_caching", "exact_attention"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if self.paged_attention is not None and not isinstance(self.paged_attention, bool):
+            raise ValueError(f"paged_attention must be True, False or None (in place where the C++ kernel runs), "
+                             f"got {self.paged_attention!r}")

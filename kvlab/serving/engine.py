@@ -65,7 +65,7 @@ class Engine:
                  batching: str = "continuous", prefix_caching: bool = True, max_len: int | None = None,
                  allocator_cls=None, gather=None, clock: Clock | None = None, scheduler_cls=Scheduler,
                  block_manager_cls=BlockManager, running_order: str = "decode-first",
-                 exact_attention: bool = False, paged_attention: bool = False, config: EngineConfig | None = None):
+                 exact_attention: bool = False, paged_attention: bool | None = None, config: EngineConfig | None = None):
         cfg = config or EngineConfig(num_blocks, block_size, max_num_batched_tokens, max_num_seqs, max_len,
                                      chunked_prefill, prefix_caching, admission, batching, running_order,
                                      exact_attention, paged_attention)

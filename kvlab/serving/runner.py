@@ -83,7 +83,7 @@ class RaggedStep(Cache):
 
 
 def step_inputs(work: list[tuple[Sequence, int]], block_size: int, device=None, gather=None, workspace=None,
-                exact: bool = False, paged: bool = False):
+                exact: bool = False, paged: bool | None = None):
     """Token ids ``[1, N]``, positions ``[1, N]``, the new tokens' slots (blocks, offsets), the step's
     :class:`Segments` and the logit rows of a step. Built sequence by sequence from the block tables:
     the cost grows with the new tokens and the blocks, never with every key of every sequence."""
@@ -120,12 +120,13 @@ class Runner:
     ``[layers, blocks, heads, block_size, head_dim]``). ``gather`` (lab 9's ``paged_gather``
     contract: one sequence from one layer's ``[blocks, heads, block_size, head_dim]``) replaces the
     batched block gather when given; ``exact`` scores a prompt chunk's visible pairs only
-    (:func:`kvlab.ragged.causal_chunk`) instead of one masked call; ``paged`` reads a decode row's keys
-    in place, through the compiled :func:`kvlab.ragged.paged_decode` (where torch.compile runs),
-    instead of copying them out of the blocks first."""
+    (:func:`kvlab.ragged.causal_chunk`) instead of one masked call; ``paged`` (True) reads a decode row's keys
+    in place (:class:`kvlab.ragged.PagedDecode`) instead of copying them out of the blocks first (False);
+    None, the default, reads them in place where :mod:`kvlab.pagedkernel`'s C++ loop runs and copies
+    them elsewhere."""
 
     def __init__(self, model, num_blocks: int, block_size: int, gather=None, exact: bool = False,
-                 paged: bool = False):
+                 paged: bool | None = None):
         self.model, self.block_size, self.gather, self.exact, self.paged = model, block_size, gather, exact, paged
         self.keys, self.values = allocate_kv_cache(model, num_blocks, block_size)
         self.device = self.keys.device
