@@ -159,8 +159,9 @@ def timeline(source, title: str = "") -> Drawing:
     # two entries a row: three long ones side by side are wider than the figure and push its x label out
     fig.legend(handles, labels, loc="outside lower center", ncol=min(len(handles), 2), fontsize=8, frameon=False)
     ttft = sorted(s[2] - s[1] for s in spans)
+    mid = (ttft[(len(ttft) - 1) // 2] + ttft[len(ttft) // 2]) / 2      # the median (the middle two's mean)
     pre = sum(1 for s in spans if s[5])
     alt = (f"Timeline of {len(spans)} requests over {max(s[3] for s in spans):.3g} s: each bar runs from "
-           f"arrival through the first token (median time to first token {ttft[len(ttft) // 2]:.3g} s, longest "
-           f"{ttft[-1]:.3g} s) to the last token" + (f"; {pre} were preempted at least once." if pre else "."))
+           f"arrival through the first token (median time to first token in this run {mid:.3g} s, "
+           f"longest {ttft[-1]:.3g} s) to the last token" + (f"; {pre} were preempted at least once." if pre else "."))
     return Drawing(fig, alt, "Each request's wait, prefill and decode, on one clock.")

@@ -256,10 +256,12 @@ def _shared_file() -> str | None:
 
 def _read_shared(key: str) -> dict | None:
     path = _shared_file()
+    if not path:
+        return None
     try:
         with open(path) as f:
-            entry = json.load(f).get(key) if path else None
-    except (OSError, ValueError):       # no file yet, or a half-written one: measure
+            entry = json.load(f).get(key)
+    except (OSError, ValueError, AttributeError):    # no file yet, a half-written or foreign one: measure
         return None
     if not entry or time.time() - entry.get("measured_at", 0) > SHARED_MAX_AGE_S:
         return None
@@ -274,6 +276,8 @@ def _write_shared(key: str, m: dict) -> None:
         with open(path) as f:
             table = json.load(f)
     except (OSError, ValueError):
+        table = {}
+    if not isinstance(table, dict):
         table = {}
     table[key] = dict(m, flops_dtype=str(m["flops_dtype"]).removeprefix("torch."))
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)

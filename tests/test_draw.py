@@ -122,7 +122,7 @@ def test_timeline_of_requests():
         def __init__(self, rid, s, f, e):
             self.rid, self.submitted, self.first_token, self.finished = rid, s, f, e
     d = _is_drawing(draw_engine.timeline([R(0, 0.0, 0.1, 1.0), R(1, 0.0, 0.3, 1.5), R(2, 0.5, 0.6, 2.0)]))
-    assert "3 requests over 2 s" in d.alt and "median time to first token 0.1 s" in d.alt
+    assert "3 requests over 2 s" in d.alt and "median time to first token in this run 0.1 s" in d.alt
 
 
 # ---------------------------------------------------------------------------------------------------

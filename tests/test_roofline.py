@@ -255,7 +255,7 @@ def test_the_machine_is_measured_once_per_build_and_shared(monkeypatch, tmp_path
         assert other["bandwidth"] == first["bandwidth"] and other["shared"] and other["flops_dtype"] is torch.float32
         assert "by an earlier page of this build" in capsys.readouterr().out
         assert len(calls) == 1
-        probes.machine("cpu", threads=1, verbose=False)           # another thread count is another machine
+        probes.machine("cpu", threads=2 if threads == 1 else 1, verbose=False)   # another thread count: another machine
         assert len(calls) == 2
         again = probes.machine("cpu", threads=threads, verbose=False, fresh=True)
         assert len(calls) == 3 and again["bandwidth"] != first["bandwidth"]
@@ -270,3 +270,13 @@ def test_the_machine_is_measured_once_per_build_and_shared(monkeypatch, tmp_path
         assert len(calls) == 5 and '"bandwidth"' in shared.read_text()
     finally:
         torch.set_num_threads(threads)
+
+
+def test_without_a_probe_file_the_machine_is_measured_in_the_process(monkeypatch):
+    monkeypatch.delenv("KVLAB_PROBE_FILE", raising=False)
+    monkeypatch.setattr(probes, "_MEASURED", {})
+    monkeypatch.setattr(probes, "best_bandwidth", lambda device, verbose=True: (30e9, "read, 128 MiB"))
+    monkeypatch.setattr(probes, "measure_bandwidth", lambda *a, **k: 15e9)
+    monkeypatch.setattr(probes, "arithmetic_rate", lambda *a, **k: (50e9, torch.float32))
+    m = probes.machine("cpu", verbose=False)
+    assert m["bandwidth"] == 30e9 and not m["shared"]
