@@ -5,12 +5,13 @@ into one buffer first, so a step reads the cache, writes it again and reads it a
 compiles :func:`kvlab.ragged.paged_decode` into a loop that reads them in place, but its loop is
 several times slower than the fused attention of a contiguous cache (chapter 9 measures both). This
 is the loop written by hand, the CPU counterpart of vLLM's paged-attention kernel: one task per
-(row, head), each key found through the table (``block = table[pos // block_size]``, slot
-``pos % block_size``), scored, softmaxed and summed against its value, with no copy and no mask (every
-key of a decode row is visible).
+(row, head) that walks the row's blocks in table order (position ``p`` is block ``table[p // block_size]``,
+slot ``p % block_size``; a head's keys of one block lie side by side, so each block is one stream),
+scores every key, softmaxes, and sums the values the same way, with no copy and no mask (every key of
+a decode row is visible).
 
-It is C++ built by ``torch.utils.cpp_extension.load_inline`` the first time it is asked for (about
-half a minute; torch keeps the build on disk and later processes load it in a second). It handles
+It is C++ built by ``torch.utils.cpp_extension.load_inline`` the first time it is asked for (under
+a minute; torch keeps the build on disk and later processes load it in a second). It handles
 float32 pools on a CPU; :func:`usable` says False elsewhere (a GPU, half precision, no C++ compiler, a
 failed build) and the caller falls back to inductor's loop or the gather.
 """

@@ -36,6 +36,8 @@ block into a workspace, then the model's attention), or in place, with no copy (
 paged-attention kernel does): :class:`PagedDecode` runs :mod:`kvlab.pagedkernel`'s C++ loop on a CPU
 and elsewhere :func:`paged_decode`, compiled by inductor into loops that load each key straight from
 its block through the block table; it falls back to the gather, saying so, where neither can run.
+The engine's default (``paged=None``) reads in place where the C++ loop runs (a CPU, float32 pools, a
+C++ compiler) and gathers everywhere else.
 
 A GPU engine does all of this in ONE kernel launch and without a gather: varlen FlashAttention takes
 the queries and keys packed end to end with their offsets (``cu_seqlens``) and skips the tiles above

@@ -31,14 +31,22 @@ def print_rows(rows: list[dict]) -> None:
     """The generators against the floor, with achieved bandwidth and what compiling cost, as a table
     that fits the page (:func:`kvlab.tables.show`)."""
     def pays(r):
-        return ("-" if r["compile_s"] is None else "never" if r["break_even"] is None
-                else f"{r['break_even']:,.0f} tokens")
+        if r["compile_s"] is None:
+            return "-"
+        twin = G.EAGER_OF.get(r["generator"])
+        twins = [e for e in rows if e["model"] == r["model"] and e["generator"] == twin and e["threads"] == r["threads"]]
+        if twins and verdicts.compare_timings(r["timing"], twins[0]["timing"]).verdict == "none":
+            return "not claimed"     # as compile_sentence words it: no speed-up measured, so no break-even
+        return "never" if r["break_even"] is None else f"{r['break_even']:,.0f} tokens"
     show([{"model": r["model"], "threads": r["threads"], "generator": r["generator"],
            "ms/token": f"{r['per_token'] * 1e3:.3f}", "floor ms": f"{r['floor_per_token'] * 1e3:.3f}",
            "x floor": f"{r['ratio']:.2f}x", "achieved GB/s": f"{r['achieved'] / 1e9:.2f}",
            "of read probe": f"{r['achieved'] / r['bandwidth']:.0%}", "read probe GB/s": f"{r['bandwidth'] / 1e9:.1f}",
            "compile s": "-" if r["compile_s"] is None else f"{r['compile_s']:.1f}", "pays off after": pays(r)}
-          for r in rows])
+          for r in rows],
+         caption="pays off after: the tokens after which the time a compiled generator saves over its eager twin "
+                 "covers its compilation; 'not claimed' where the two were within the noise (no speed-up measured), "
+                 "'never' where the compiled one was slower")
     for bw, when in dict.fromkeys((r["bandwidth"], r.get("probe_when")) for r in rows):
         if when:
             print(f"read probe {bw / 1e9:.1f} GB/s: {when}")

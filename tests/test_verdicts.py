@@ -305,3 +305,22 @@ def test_every_round_beside_a_spread_past_one_is_explained():
     assert "faster in every one of the 5 rounds" in said and "reaches past 1.00" in said, said
     steady = verdicts.faster(Timing("a", [0.50, 0.51, 0.50, 0.52, 0.50]), Timing("b", [1.0, 1.01, 1.0, 1.02, 1.0]), "cpu")
     assert "faster in every one of the 5 rounds" in steady and "reaches past" not in steady, steady
+
+
+def test_chapter_8s_table_claims_no_break_even_where_the_sentence_claims_none(capsys):
+    """The 'pays off after' column and compile_sentence agree: no speed-up measured, no break-even."""
+    from kvlab import generators as G, staticview as sv
+    twin = next(iter(G.EAGER_OF))
+
+    def r(name, samples, compile_s=None, break_even=None):
+        t = Timing(name, samples)
+        return dict(model="m", generator=name, per_token=t.median / 10, floor_per_token=0.01, ratio=2.0, threads=1,
+                    device="cpu", timing=t, compile_s=compile_s, break_even=break_even, achieved=1e9, bandwidth=2e9)
+    rows = [r(G.EAGER_OF[twin], [1.0, 1.02, 0.99]), r(twin, [0.97, 0.98, 0.99], 1.4, 1901)]
+    sv.print_rows(rows)
+    out = capsys.readouterr().out
+    assert "not claimed" in out and "1,901 tokens" not in out
+    assert "no break-even is claimed" in sv.compile_sentence(rows, "m")
+    rows[1] = r(twin, [0.5, 0.51, 0.49], 1.4, 1901)
+    sv.print_rows(rows)
+    assert "1,901 tokens" in capsys.readouterr().out
