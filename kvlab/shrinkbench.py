@@ -25,6 +25,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from . import designs
+from .configs import context_length
 from .quality import CALIBRATION_SHARE, heldout_split, window_loss  # noqa: F401 (the share, re-exported)
 from .progress import bar
 from .timing import Budget, compare
@@ -203,7 +204,8 @@ def published_rows(names, seq_len: int = 32768, bits: float = 16) -> list[dict]:
                      "step GiB": designs.step_bytes(c, seq_len, 1, bits) / 2 ** 30,
                      "step of MHA": designs.step_bytes(c, seq_len, 1, bits) /
                      (designs.weight_read_bytes(c) + mha_cache),
-                     "context": c.get("max_position_embeddings", c.get("n_positions"))})
+                     # the config's context; Falcon-7B's Hub config states none, the catalogue has its card's 2,048
+                     "context": context_length(c)})
     return rows
 
 
