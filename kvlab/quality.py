@@ -1,10 +1,56 @@
-"""How good a model's predictions are: held-out loss over windows, the book's perplexity protocol."""
+"""How good a model's predictions are: held-out loss over windows, the book's perplexity protocol,
+and the book's ONE perplexity text, so that every page that quotes "the perplexity" of a model quotes
+the same measurement.
+
+    perplexity(model, tok, quick)   -> {"ppl", "loss", "windows", "window", "tokens"}: the book's number
+    describe(r)                     -> what that number was measured on, in words
+"""
 
 from __future__ import annotations
+import math
+
 import torch
-from .validate import is_int, check_vocab
 from .configs import context_length
-from .validate import check_context
+from .paths import TINY_DIR
+from .validate import check_context, check_vocab, is_int
+
+#: the first share of the bundled held-out text calibrates and trains (chapter 11); the rest is the
+#: book's perplexity text
+CALIBRATION_SHARE = 0.35
+
+
+def heldout_split(tok, path=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(calibration/training ids, evaluation ids)``: the bundled held-out text (chapters the bundled
+    models never saw in training), tokenized as one sequence and cut at :data:`CALIBRATION_SHARE`."""
+    text = (path or TINY_DIR / "heldout.txt").read_text()
+    ids = torch.tensor(tok(text, verbose=False).input_ids)
+    cut = int(ids.numel() * CALIBRATION_SHARE)
+    return ids[:cut], ids[cut:]
+
+
+def perplexity_windows(model, quick: bool) -> int:
+    """How many evenly spaced windows of the perplexity text the book scores: 4 in quick builds, else
+    32 on a GPU, 8 for a full-size GPT-2 on a CPU, 16 for the bundled models on a CPU."""
+    if quick:
+        return 4
+    cfg = model.config
+    on_gpu = next(p for p in model.parameters() if p.is_floating_point()).device.type != "cpu"
+    return 32 if on_gpu else 8 if getattr(cfg, "n_embd", getattr(cfg, "hidden_size", 0)) > 256 else 16
+
+
+def perplexity(model, tok, quick: bool) -> dict:
+    """The book's perplexity of ``model``: :func:`window_loss` over :func:`perplexity_windows` windows
+    of the model's full context, evenly spread over the evaluation part of :func:`heldout_split`."""
+    _, ids = heldout_split(tok)
+    window = context_length(model)
+    loss, n = window_loss(model, ids, window=window, max_windows=perplexity_windows(model, quick))
+    return {"ppl": math.exp(loss), "loss": loss, "windows": n, "window": window, "tokens": ids.numel()}
+
+
+def describe(r: dict) -> str:
+    """What :func:`perplexity` measured, for a caption: windows, their length, the text."""
+    return (f"{r['windows']} windows of {r['window']} tokens ({r['windows'] * (r['window'] - 1):,} next tokens "
+            f"scored), evenly spread over the last {r['tokens']:,} tokens of the held-out text")
 
 
 @torch.no_grad()

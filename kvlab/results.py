@@ -38,6 +38,13 @@ HEADERS = {
     "weights": "weights", "same_as_fp32": "tokens equal to fp32's",
     "prompt_tokens": "prompt tokens N", "compute_bound_from": "compute-bound from N =",
 }
+# Keys whose values are shares, printed as percentages like the rest of the book.
+PERCENT = {"of_read_probe"}
+# Values that need words: what a compile backend name means.
+WORDS = {"backend": {
+    "eager": "eager, i.e. TorchDynamo only: torch.compile(backend='eager') captures the step as one graph and runs "
+             "it op by op, without Inductor's generated kernels",
+    "inductor": "inductor, torch.compile's default: TorchDynamo's graph compiled by Inductor into generated kernels"}}
 TITLES = {
     "speedup": "Naive vs cached generation: total time against N (chapter 2)",
     "per_position": "Time per generated token against position (chapters 1-2)",
@@ -141,7 +148,11 @@ def details(result) -> str:
 # Tables
 
 
-def _cell(v) -> str:
+def _cell(v, key: str | None = None) -> str:
+    if key in PERCENT and isinstance(v, (int, float)) and not isinstance(v, bool):
+        return f"{v:.1%}"
+    if key in WORDS and v in WORDS[key]:
+        return WORDS[key][v]
     if v is None:
         return "-"
     if isinstance(v, bool):
@@ -158,7 +169,7 @@ def table(rows: list[dict]) -> str:
         cols += [k for k in r if k not in cols]
     head = "| " + " | ".join(HEADERS.get(c, c.replace("_", " ")) for c in cols) + " |"
     rule = "|" + "|".join("---" for _ in cols) + "|"
-    body = ["| " + " | ".join(_cell(r.get(c)) for c in cols) + " |" for r in rows]
+    body = ["| " + " | ".join(_cell(r.get(c), c) for c in cols) + " |" for r in rows]
     return "\n".join([head, rule, *body])
 
 
@@ -171,7 +182,7 @@ def section_markdown(name: str, sec: dict) -> str:
         return f"{title}: failed with `{sec.get('error')}`."
     extra = {k: v for k, v in sec.items() if k not in ("rows", "status", "seconds")
              and not isinstance(v, (dict, list))}
-    note = ", ".join(f"{HEADERS.get(k, k.replace('_', ' '))} {_cell(v)}" for k, v in extra.items())
+    note = "; ".join(f"{HEADERS.get(k, k.replace('_', ' '))} {_cell(v, k)}" for k, v in extra.items())
     cut = " The time budget ran out: the grid stops early." if status == "truncated" else ""
     head = f"{title} ({note + '; ' if note else ''}{sec.get('seconds')} s).{cut}"
     return head + "\n\n" + (table(sec["rows"]) if sec.get("rows") else "No rows.")

@@ -1,7 +1,7 @@
 """Chapter 11's measurements: what each cache-shrinking design saves, and what it costs this model.
 
-Quality is the book's perplexity protocol (:func:`kvlab.models.window_loss`: non-overlapping
-windows of the held-out text) and the top-1 agreement of the next-token prediction with the
+Quality is the book's perplexity protocol (:func:`kvlab.quality.window_loss`: non-overlapping
+windows of the evaluation part of the held-out text, the book's perplexity text) and the top-1 agreement of the next-token prediction with the
 original model on the same positions. The held-out text is split once: its first part calibrates
 conversions (and uptrains them), the rest evaluates, and never the other way round.
 
@@ -25,22 +25,16 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from . import designs
-from .paths import TINY_DIR
-from .quality import window_loss
+from .configs import context_length
+from .quality import CALIBRATION_SHARE, heldout_split, window_loss  # noqa: F401 (the share, re-exported)
 from .progress import bar
 from .timing import Budget, compare
 
-#: Share of the held-out token stream used for calibration and uptraining; the rest is evaluated.
-CALIBRATION_SHARE = 0.35
-
-
 def split_text(tok, window: int = 512, path=None):
-    """``(calibration [n, window], training ids, evaluation ids)`` from the bundled held-out text:
-    the first :data:`CALIBRATION_SHARE` of it calibrates and trains, the rest evaluates."""
-    text = (path or TINY_DIR / "heldout.txt").read_text()
-    ids = torch.tensor(tok(text, verbose=False).input_ids)
-    cut = int(ids.numel() * CALIBRATION_SHARE)
-    train, evaluation = ids[:cut], ids[cut:]
+    """``(calibration [n, window], training ids, evaluation ids)`` from the bundled held-out text
+    (:func:`kvlab.quality.heldout_split`): the first :data:`CALIBRATION_SHARE` of it calibrates and
+    trains, the rest, the book's perplexity text, evaluates."""
+    train, evaluation = heldout_split(tok, path)
     n = min(8, train.numel() // window)
     return train[:n * window].view(n, window), train, evaluation
 
@@ -210,7 +204,8 @@ def published_rows(names, seq_len: int = 32768, bits: float = 16) -> list[dict]:
                      "step GiB": designs.step_bytes(c, seq_len, 1, bits) / 2 ** 30,
                      "step of MHA": designs.step_bytes(c, seq_len, 1, bits) /
                      (designs.weight_read_bytes(c) + mha_cache),
-                     "context": c.get("max_position_embeddings", c.get("n_positions"))})
+                     # the config's context; Falcon-7B's Hub config states none, the catalogue has its card's 2,048
+                     "context": context_length(c)})
     return rows
 
 

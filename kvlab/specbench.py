@@ -136,7 +136,8 @@ def heldout_prompts(tok, n: int, length: int) -> list[torch.Tensor]:
 
 
 def acceptance(target, drafts: dict, prompts, ks, new_tokens: int, budget: timing.Budget | None = None) -> dict:
-    """``{(draft, k): {alpha, tokens_per_step, same}}`` over the prompts (pooled counts); ``same`` is
+    """``{(draft, k): {alpha, tokens_per_step, same}}`` over the prompts (pooled counts: ``steps``,
+    drafts ``tried`` (judged) and ``accepted``, ``empty`` steps that drafted nothing); ``same`` is
     whether every run gave plain greedy's tokens, and ``first_diff`` where one did not. One prompt at
     a time, every (draft, k) on it: a ``budget`` (:class:`kvlab.timing.Budget`, over the prompts'
     numbers, from 1) may stop before the last prompts; ``budget.done`` numbers the prompts counted."""
@@ -153,7 +154,7 @@ def acceptance(target, drafts: dict, prompts, ks, new_tokens: int, budget: timin
     for key, (drafted, accepted, diffs) in counts.items():
         st = SpecStats(drafted, accepted)
         rows[key] = {"alpha": st.alpha, "tokens_per_step": st.tokens_per_step, "steps": st.steps,
-                     "accepted": sum(accepted), "tried": st.tried,
+                     "accepted": sum(accepted), "tried": st.tried, "empty": sum(d == 0 for d in drafted),
                      "same": all(d is None for d in diffs), "first_diff": diffs}
     return rows
 

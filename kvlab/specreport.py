@@ -17,7 +17,8 @@ def rows(r: dict) -> list[dict]:
     for (name, k), a in r["acceptance"].items():
         alpha, c, v = r["alpha"][name], r["costs"]["c"][name], r["costs"]["V"][k]
         timed = r["e2e"].get((name, k))
-        out.append({"draft": name, "k": k, "alpha": a["alpha"], "tokens/step": a["tokens_per_step"],
+        out.append({"draft": name, "k": k, "alpha": a["alpha"], "judged/step": a["tried"] / a["steps"],
+                    "no draft": a["empty"] / a["steps"], "tokens/step": a["tokens_per_step"],
                     "E(alpha,k)": expected_tokens(alpha, k), "c": c, "V(k)": v,
                     "V floor": r["v_floor"][k] if r["v_floor"] else None,        # None: a blank cell
                     "k*c+V(k)": k * c + v, "predicted": predicted_speedup(alpha, k, c, v),
@@ -28,21 +29,50 @@ def rows(r: dict) -> list[dict]:
 
 
 def table(r: dict) -> None:
-    formats = {"alpha": ".2f", "tokens/step": ".2f", "E(alpha,k)": ".2f", "c": ".3f", "V(k)": ".2f",
-               "V floor": ".2f", "k*c+V(k)": ".2f", "predicted": ".2f", "measured": ".2f",
+    formats = {"alpha": ".2f", "judged/step": ".2f", "no draft": ".0%", "tokens/step": ".2f", "E(alpha,k)": ".2f",
+               "c": ".3f", "V(k)": ".2f", "V floor": ".2f", "k*c+V(k)": ".2f", "predicted": ".2f", "measured": ".2f",
                "step cost (clock)": ".2f"}
     rs = rows(r)
-    accept = ["draft", "k", "alpha", "tokens/step", "E(alpha,k)", "same tokens"]
+    accept = ["draft", "k", "alpha", "judged/step", "no draft", "tokens/step", "E(alpha,k)", "same tokens"]
     cost = ["draft", "k", "c", "V(k)", "V floor", "k*c+V(k)", "predicted", "measured", "step cost (clock)"]
     show(rs, columns={c: c for c in accept}, formats=formats, caption=(
-        f"Acceptance. {r['label']}; {verdicts.on(r['device'])}. alpha and tokens/step: counts over "
-        f"{r['sizes']['prompts']} held-out prompts x {r['sizes']['new']} new tokens; E(alpha,k): the "
-        "theory's tokens per step from the draft's alpha pooled over every k."))
+        f"Acceptance. {r['label']}; {verdicts.on(r['device'])}; counts over {prompts_x_new(r)}. alpha: drafts accepted / drafts the target judged (a step "
+        "stops judging at its first rejection); judged/step: drafts judged per target step; no draft: the share "
+        "of steps that drafted nothing; tokens/step: tokens emitted per target step, the bonus plus the accepted "
+        "drafts, so tokens/step = 1 + alpha x judged/step; E(alpha,k): the theory's tokens per step, from the "
+        "draft's alpha pooled over every k, for steps that all draft k tokens."))
     show(rs, columns={c: c for c in cost}, formats=formats, caption=(
         "Cost and speed-up, same run. 'predicted' uses the pooled alpha with the measured c and V(k); "
         "'measured': plain greedy time / speculative time, medians over the rounds of one interleaved run (blank: not "
         "timed); 'step cost (clock)': what a target step really cost in decode steps (tokens/step x "
         "measured time ratio; prefill and the loop's own bookkeeping included), beside k*c + V(k)."))
+
+
+def prompts_x_new(r: dict) -> str:
+    """``"2 held-out prompts x 24 new tokens"``, singular where one prompt was counted."""
+    n = r["sizes"]["prompts"]
+    return f"{n} held-out prompt{'' if n == 1 else 's'} x {r['sizes']['new']} new tokens"
+
+
+def relation_sentences(r: dict) -> list[str]:
+    """Per draft, from the counts: alpha and tokens/step, and why tokens/step is 1 + alpha x judged/step
+    (not 1 + alpha at k=1) when some steps drafted nothing."""
+    out, per_run = [], r["sizes"]["prompts"]
+    for name in r["alpha"]:
+        parts = []
+        for (n, k), a in r["acceptance"].items():
+            if n != name:
+                continue
+            s, t, acc, e = a["steps"], a["tried"], a["accepted"], a["empty"]
+            part = (f"k={k}: {acc} of {t} judged drafts accepted, alpha = {acc}/{t} = {a['alpha']:.2f}; "
+                    f"{s} steps, tokens/step = ({s} + {acc})/{s} = {a['tokens_per_step']:.2f} = 1 + alpha x {t}/{s}")
+            if e:
+                why = "no earlier match to copy, or " if name.startswith("prompt lookup") else ""
+                part += (f"; {e} step{'' if e == 1 else 's'} ({e / s:.0%}) drafted nothing ({why}a run's last step, "
+                         f"with no room left to draft: at most {per_run}, one a run)")
+            parts.append(part)
+        out.append(f"{name}: " + "; ".join(parts))
+    return out
 
 
 def plot(r: dict, model) -> None:
@@ -81,9 +111,10 @@ def why_sentences(r: dict) -> list[str]:
         e, cost = expected_tokens(a, k), k * c + v
         verdict = "pays" if e > cost * (1 + verdicts.NOISE) else ("does not pay" if e * (1 + verdicts.NOISE) < cost
                                                                    else "is about even")
-        out.append(f"{name}, k={k}: a step yields E = {e:.2f} tokens (alpha {a:.2f}) and costs k*c + V(k) = "
-                   f"{k} x {c:.3f} + {v:.2f} = {cost:.2f} decode steps, so in theory it {verdict} "
-                   f"(predicted speed-up {e / cost:.2f}x), {verdicts.on(r['device'])}")
+        got = r["acceptance"][name, k]["tokens_per_step"]
+        out.append(f"{name}, k={k}: in theory a step yields E = {e:.2f} tokens (pooled alpha {a:.2f}; counted: "
+                   f"{got:.2f}) and costs k*c + V(k) = {k} x {c:.3f} + {v:.2f} = {cost:.2f} decode steps, so in "
+                   f"theory it {verdict} (predicted speed-up {e / cost:.2f}x), {verdicts.on(r['device'])}")
     return out
 
 
@@ -175,9 +206,10 @@ def closing_rows(r: dict) -> list[dict]:
     base, out = r["e2e"]["plain greedy"].median, []
     for name, k in r["picks"].items():
         a, c, v = r["alpha"][name], r["costs"]["c"][name], r["costs"]["V"][k]
-        out.append({"draft": name, "k": k, "alpha": a, "tokens/step": r["acceptance"][name, k]["tokens_per_step"],
-                    "c": c, "V(k)": v, "predicted": predicted_speedup(a, k, c, v),
-                    "measured": base / r["e2e"][name, k].median})
+        n = r["acceptance"][name, k]
+        out.append({"draft": name, "k": k, "alpha": n["alpha"], "judged/step": n["tried"] / n["steps"],
+                    "tokens/step": n["tokens_per_step"], "pooled alpha": a, "c": c, "V(k)": v,
+                    "predicted": predicted_speedup(a, k, c, v), "measured": base / r["e2e"][name, k].median})
     return out
 
 
@@ -212,9 +244,12 @@ def summary_sentence(r: dict) -> str:
             won.append(f"{name} (k={k}, {1 / c.ratio:.2f}x, {how})")
         else:
             draft, verify = k * r["costs"]["c"][name], r["costs"]["V"][k]
-            lost.append(f"{name} (k={k}, {1 / c.ratio:.2f}x, {how}): a step's drafting ({draft:.2f} decode steps) "
-                        f"and verifying ({verify:.2f}) cost more than the {expected_tokens(r['alpha'][name], k):.2f} "
-                        "tokens it yields")
+            got = r["acceptance"][name, k]["tokens_per_step"]
+            what = (f"a step's drafting ({draft:.2f} decode steps) and verifying ({verify:.2f}) cost more than the "
+                    f"{got:.2f} tokens a step yielded" if draft + verify > got else
+                    f"a step's drafting ({draft:.2f} decode steps) and verifying ({verify:.2f}) cost less than the "
+                    f"{got:.2f} tokens a step yielded: the rest of the step (the loop, the rewinds) made the difference")
+            lost.append(f"{name} (k={k}, {1 / c.ratio:.2f}x, {how}): {what}")
     parts = [f"paid: {', '.join(won) or 'none'}", f"did not pay: {'; '.join(lost) or 'none'}",
              f"no difference measured (medians within {verdicts.NOISE:.0%}): {', '.join(even) or 'none'}"]
     return f"{verdicts.on(r['device'])}, against plain greedy decoding, speculation " + "; ".join(parts)

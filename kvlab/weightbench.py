@@ -19,7 +19,7 @@ from . import gpt2, probes, roofline, timing, weights
 from .configs import bytes_per_element
 from .memory import kv_cache_bytes
 from .paths import TINY_DIR
-from .quality import window_loss
+from .quality import describe, perplexity
 from .reference import first_difference
 from .static import StaticDecoder
 from .staticbench import compile_seconds, time_first_call
@@ -93,25 +93,24 @@ def measure(ours, prompt_len: int, new_tokens: int, formats=weights.FORMATS, rep
 
 
 @torch.no_grad()
-def quality(ours, tok, formats=weights.FORMATS, window: int = 256, max_windows: int = 16,
-            prompts: int = 4, new_tokens: int = 48) -> list[dict]:
-    """Per format: held-out perplexity (the book's protocol, ``kvlab.quality.window_loss``, on the
-    bundled model's held-out text) and greedy agreement with fp32 (mean tokens generated before the
-    first difference, over ``prompts`` held-out prompts of 16 tokens)."""
+def quality(ours, tok, formats=weights.FORMATS, quick: bool = False, prompts: int = 4,
+            new_tokens: int = 48) -> list[dict]:
+    """Per format: the book's perplexity (:func:`kvlab.quality.perplexity`, the one measurement every
+    page quotes; ``ppl_text`` says what it scored) and greedy agreement with fp32 (mean tokens
+    generated before the first difference, over ``prompts`` held-out prompts of 16 tokens)."""
     # the whole text, longer than any context (verbose=False: no "indexing errors" warning); cut below
     ids = tok((TINY_DIR / "heldout.txt").read_text(), return_tensors="pt", verbose=False).input_ids[0]
-    window = min(window, ours.config.n_positions)
     starts = torch.linspace(0, ids.numel() - 17, prompts).long().tolist()
     ps = [ids[s:s + 16][None].to(ours.ln_f.weight.device) for s in starts]
     refs = [gpt2.generate(ours, p, new_tokens) for p in ps]
     rows = []
     for fmt in formats:
         model = ours if fmt == "fp32" else weights.convert(ours, fmt)
-        loss, n = window_loss(model, ids, window=window, max_windows=max_windows)
+        ppl = perplexity(model, tok, quick)
         same = [tokens_agreeing(gpt2.generate(model, p, new_tokens), ref, p.shape[1], new_tokens)
                 for p, ref in zip(ps, refs)]
         rows.append(dict(weights=fmt, weight_mb=roofline.weight_bytes(model) / 1e6,
-                         perplexity=float(torch.tensor(loss).exp()), windows=n,
+                         perplexity=ppl["ppl"], windows=ppl["windows"], ppl_text=describe(ppl),
                          same_tokens=sum(same) / len(same), of_tokens=new_tokens,
                          describe=weights.describe(model)))
     return rows

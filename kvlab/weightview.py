@@ -28,12 +28,13 @@ def print_rows(rows: list[dict]) -> None:
 
 
 def quality_sentence(rows: list[dict]) -> str:
-    """How far each format's held-out perplexity is from fp32's, from the quality rows."""
+    """How far each format's perplexity (the book's one measurement, ``kvlab.quality.perplexity``) is
+    from fp32's, from the quality rows."""
     base = next(r for r in rows if r["weights"] == "fp32")
     parts = [f"{r['weights']} {r['perplexity']:.2f} ({signed_pct(r['perplexity'] / base['perplexity'] - 1, 2)})"
              for r in rows if r is not base]
     sizes = ", ".join(f"{r['weight_mb']:.1f}" for r in rows)
-    return f"Held-out perplexity: fp32 {base['perplexity']:.2f}; " + "; ".join(parts) + f", at {sizes} MB of weights."
+    return f"Perplexity on the book's perplexity text ({base['windows']} windows): fp32 {base['perplexity']:.2f}; " + "; ".join(parts) + f", at {sizes} MB of weights."
 
 
 def _row(rows, model, fmt, how):

@@ -50,6 +50,9 @@ def test_headlines_recomputed():
 def test_published_rows_and_bad_input(table):
     rows = published_rows(["Llama-2-7B", "Llama-3.1-8B"], seq_len=1024)
     assert rows[0]["of MHA"] == 1 and rows[1]["of MHA"] == 0.25 and rows[1]["step of MHA"] < 1
+    # every row states a context: Falcon-7B's Hub config has none, the catalogue its model card's 2,048
+    contexts = {r["model"]: r["context"] for r in published_rows(["gpt2", "Falcon-7B", "Llama-3.1-8B"])}
+    assert contexts == {"gpt2": 1024, "Falcon-7B": 2048, "Llama-3.1-8B": 131072}
     with pytest.raises(ValueError, match="bits"):
         designs.cache_bytes(table["gpt2"], 10, 1, bits=0)
     with pytest.raises(ValueError, match="seq_len"):

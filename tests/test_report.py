@@ -211,3 +211,16 @@ def test_every_key_the_report_writes_has_a_label(dry_run):
     assert "achieved (GB/s)" in md and "share of the read probe's bandwidth" in md
     assert "copy bandwidth (GB/s)" in md and "bandwidth measured by the best of several read-only kernels" in md
     assert "achieved_GBps" not in md and "of read probe" not in md
+
+
+def test_results_say_what_eager_compiling_means_and_print_shares_as_percentages():
+    """Issue 37 reread: "compile backend eager" unexplained, and a probe share printed as 0.17 where the
+    rest of the book prints 17%."""
+    from kvlab import results
+
+    sec = {"status": "ok", "seconds": 1.0, "backend": "eager", "mode": "default",
+           "rows": [{"model": "m", "achieved_GBps": 6.0, "of_read_probe": 0.1534}]}
+    md = results.section_markdown("compiled", sec)
+    assert "compile backend eager, i.e. TorchDynamo only" in md and "without Inductor" in md
+    assert "| 15.3% |" in md and "0.153" not in md
+    assert "inductor, torch.compile's default" in results.section_markdown("compiled", dict(sec, backend="inductor"))

@@ -161,3 +161,21 @@ def test_measurements_follow_the_books_protocol(ours, tiny):
     assert beyond.shape == (ours.config.n_layer, 2) and bool((beyond[:, 1] == 0).all()) and bool((beyond[:, 0] > 0).all())
     mass = sb.attention_mass(ours, calib[:1])
     assert mass.shape == (ours.config.n_layer, ours.config.n_head) and bool(((mass >= 0) & (mass <= 1)).all())
+
+
+def test_every_page_quotes_one_perplexity(ours, tiny):
+    """The book's perplexity (kvlab.quality.perplexity) is ONE measurement: chapter 11's reference
+    (shrinkbench.quality on the evaluation split, the book's windows), chapter 8's fp32 row
+    (weightbench.quality) and transformers' model on the same windows all give the same number."""
+    from kvlab import quality, shrinkbench as sb, weightbench
+
+    hf, tok = tiny
+    book = quality.perplexity(ours, tok, quick=True)
+    _, _, ev = sb.split_text(tok)
+    assert book["windows"] == quality.perplexity_windows(ours, True) == 4 and book["window"] == 512
+    assert book["tokens"] == ev.numel()
+    assert sb.quality(ours, ev, max_windows=book["windows"])["ppl"] == pytest.approx(book["ppl"], rel=1e-5)
+    assert quality.perplexity(hf, tok, quick=True)["ppl"] == pytest.approx(book["ppl"], rel=1e-4)
+    fp32 = weightbench.quality(ours, tok, formats=("fp32",), quick=True, prompts=1, new_tokens=2)[0]
+    assert fp32["perplexity"] == pytest.approx(book["ppl"], rel=1e-5) and fp32["ppl_text"] == quality.describe(book)
+    assert "4 windows of 512 tokens" in quality.describe(book)

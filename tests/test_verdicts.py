@@ -208,8 +208,11 @@ def _spec_run(spec_samples, base_samples):
     """The least of a kvlab.specbench result that summary_sentence and rows read: one draft at k=2."""
     return {"picks": {"bigram": 2}, "device": "cpu", "alpha": {"bigram": 0.6},
             "costs": {"c": {"bigram": 0.05}, "V": {2: 1.1, 3: 1.2}}, "v_floor": {},
-            "acceptance": {("bigram", 2): {"alpha": 0.6, "tokens_per_step": 1.9, "same": True},
-                           ("bigram", 3): {"alpha": 0.6, "tokens_per_step": 2.1, "same": True}},
+            "sizes": {"prompts": 2},
+            "acceptance": {("bigram", 2): {"alpha": 0.6, "tokens_per_step": 1.9, "same": True, "steps": 10,
+                                           "tried": 15, "accepted": 9, "empty": 0},
+                           ("bigram", 3): {"alpha": 0.55, "tokens_per_step": 2.1, "same": True, "steps": 10,
+                                           "tried": 20, "accepted": 11, "empty": 2}},
             "e2e": {"plain greedy": Timing("plain", base_samples), ("bigram", 2): Timing("spec", spec_samples)}}
 
 
@@ -228,6 +231,25 @@ def test_chapter_10s_summary_is_worded_by_the_verdict():
     assert "did not pay: bigram (k=2, 0.50x, in every round): a step's drafting" in slow
     even = specreport.summary_sentence(_spec_run([1.0, 1.02, 0.98, 1.0, 1.0], [1.0, 1.01, 0.99, 1.0, 1.0]))
     assert "paid: none" in even and even.endswith("(medians within 10%): bigram (k=2, 1.00x)")
+
+
+def test_chapter_10s_alpha_and_tokens_per_step_come_from_the_same_counts():
+    """Issue 37 reread: prompt lookup at k=1 showed alpha 0.48 beside 1.28 tokens/step, where a reader
+    expects 1 + alpha; steps that draft nothing are why, and the page must say so."""
+    from kvlab import specbench, specreport
+    from kvlab.speculative import SpecStats
+
+    st = SpecStats(drafted=[1, 0, 1, 1, 0], accepted=[1, 0, 0, 1, 0])     # two steps found nothing to draft
+    assert st.alpha == 2 / 3 and st.tokens_per_step == 1 + st.alpha * st.tried / st.steps == 1.4
+    run = _spec_run([0.5] * 3, [1.0] * 3)
+    lines = specreport.relation_sentences(run)
+    assert lines == ["bigram: k=2: 9 of 15 judged drafts accepted, alpha = 9/15 = 0.60; 10 steps, tokens/step = "
+                     "(10 + 9)/10 = 1.90 = 1 + alpha x 15/10; k=3: 11 of 20 judged drafts accepted, alpha = 11/20 = "
+                     "0.55; 10 steps, tokens/step = (10 + 11)/10 = 2.10 = 1 + alpha x 20/10; 2 steps (20%) drafted "
+                     "nothing (a run's last step, with no room left to draft: at most 2, one a run)"], lines
+    for row in specreport.rows(run) + specreport.closing_rows(run):
+        assert row["tokens/step"] == pytest.approx(1 + row["alpha"] * row["judged/step"])
+    assert specbench.acceptance.__doc__.count("empty")
 
 
 def test_chapter_10s_untimed_cells_are_blank_not_nan():

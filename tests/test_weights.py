@@ -100,7 +100,7 @@ def test_compiled_int8_decode_equals_its_eager_decode(tiny, prompt):
 
 def test_quality_rows_measure_perplexity_and_agreement(tiny):
     ours, tok = tiny
-    rows = {r["weights"]: r for r in weightbench.quality(ours, tok, window=128, max_windows=4, prompts=2,
+    rows = {r["weights"]: r for r in weightbench.quality(ours, tok, quick=True, prompts=2,
                                                           new_tokens=8)}
     assert rows["fp32"]["same_tokens"] == 8
     assert rows["int8"]["weight_mb"] < rows["bf16"]["weight_mb"] < rows["fp32"]["weight_mb"]
