@@ -254,15 +254,22 @@ def _shared_file() -> str | None:
     return os.environ.get("KVLAB_PROBE_FILE") or None
 
 
-def _read_shared(key: str) -> dict | None:
+def _table() -> dict:
+    """The build's probe file as a dict: empty without one, or for a missing, half-written or foreign
+    file (then the caller measures, and the next write replaces it)."""
     path = _shared_file()
     if not path:
-        return None
+        return {}
     try:
         with open(path) as f:
-            entry = json.load(f).get(key)
-    except (OSError, ValueError, AttributeError):    # no file yet, a half-written or foreign one: measure
-        return None
+            table = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    return table if isinstance(table, dict) else {}
+
+
+def _read_shared(key: str) -> dict | None:
+    entry = _table().get(key)
     if not entry or time.time() - entry.get("measured_at", 0) > SHARED_MAX_AGE_S:
         return None
     return dict(entry, flops_dtype=as_dtype(entry["flops_dtype"]))
@@ -272,13 +279,7 @@ def _write_shared(key: str, m: dict) -> None:
     path = _shared_file()
     if not path:
         return
-    try:
-        with open(path) as f:
-            table = json.load(f)
-    except (OSError, ValueError):
-        table = {}
-    if not isinstance(table, dict):
-        table = {}
+    table = _table()
     table[key] = dict(m, flops_dtype=str(m["flops_dtype"]).removeprefix("torch."))
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     tmp = f"{path}.{os.getpid()}.tmp"
