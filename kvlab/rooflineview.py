@@ -138,13 +138,26 @@ def bf16_sentence(rows, where: str) -> str:
     return text + " (computed from the rates above)."
 
 
-def print_model_table(rows, contexts=(0, 512, 1000, 4096, 32768)) -> None:
+#: What each column of :func:`print_model_table` holds, for its caption (a header is defined where it is read).
+MODEL_TABLE_TERMS = (
+    "look-up tables (rows read): the share of the weights held in tables a step only indexes (an untied "
+    "input embedding, a learned position table), of which it reads just the B rows it looks up; "
+    "floor, B=1: the least time of one step at batch 1 with nothing cached; FLOP/B: FLOPs per byte read "
+    "(arithmetic intensity), of that step and of attention over the cache (per row, at any batch); "
+    "critical batch at S: the batch from which a step with S cached positions per row is bound by "
+    "arithmetic ('never': no batch is; '-': S is beyond the model's context)")
+
+
+def print_model_table(rows, contexts=(0, 512, 1000, 4096, 32768), caption: str = "") -> None:
     """The table, with the critical batch at a few context lengths ('never': no batch is
-    compute-bound there; '-': beyond the model's context)."""
-    show([{"model": r["name"], "weights": f"{r['weights'] / 1e9:.2f} GB", "rows-only": f"{r['lookup']:.1%}",
+    compute-bound there; '-': beyond the model's context); its caption defines every column
+    (:data:`MODEL_TABLE_TERMS`) after ``caption``."""
+    show([{"model": r["name"], "weights": f"{r['weights'] / 1e9:.2f} GB",
+           "look-up tables (rows read)": f"{r['lookup']:.1%}",
            "floor, B=1": f"{r['floor'] * 1e3:.2f} ms", "FLOP/B, B=1": f"{r['intensity']:.2f}",
-           "attn FLOP/B": f"{r['attention']:.2f}"}
-          | {f"critical batch at {c:,}": _crit_cell(r, c) for c in contexts} for r in rows])
+           "attention FLOP/B": f"{r['attention']:.2f}"}
+          | {f"critical batch at {c:,}": _crit_cell(r, c) for c in contexts} for r in rows],
+         caption=(caption + ". " if caption else "") + MODEL_TABLE_TERMS)
 
 
 def _crit_cell(row, context) -> str:
@@ -188,9 +201,10 @@ def quant_sentence(rows: list[dict]) -> str:
     if rows[1]["bound"] == "compute":
         why = (" The fp16 row is itself bound by compute, and the FLOPs are the same in every format, "
                "so every compute-bound row has the fp16 row's floor: its 'x vs fp16' reads 1.00.")
-    return (f"{len(compute)} of the {len(rows) - 1} half-precision rows are bound by compute here "
+    one = len(compute) == 1
+    return (f"{len(compute)} of the {len(rows) - 1} half-precision rows {'is' if one else 'are'} bound by compute here "
             f"({'; '.join(compute)}): this machine's arithmetic at {rows[1]['rate'] / 1e9:.0f} GFLOP/s, "
-            "not its memory, sets their floor, so fewer bytes no longer lower it." + why)
+            f"not its memory, sets {'its' if one else 'their'} floor, so fewer bytes no longer lower it." + why)
 
 
 def plot_roofline(ax, bandwidth: float, flops: float, series: dict, title: str) -> None:

@@ -134,3 +134,26 @@ def test_one_compile_seconds_definition():
 
     assert staticbench.compile_seconds(12.5, 2.5) == 10.0
     assert staticbench.compile_seconds(2.0, 2.4) == 0.0          # within the noise: not negative
+
+
+def test_model_table_defines_its_columns(capsys):
+    """Every header of chapter 7's model table is a term the page has defined, or its caption defines
+    (the editor's "rows-only" was neither)."""
+    rows = fb.model_table(["gpt2"], 1e10, 1e11, torch.float32)
+    fv.print_model_table(rows, caption="fp32")
+    out = capsys.readouterr().out
+    header = next(line for line in out.splitlines() if line.lstrip("| ").startswith("model"))
+    assert "rows-only" not in out and "look-up tables (rows read)" in header
+    for term in ("look-up tables (rows read):", "floor, B=1:", "FLOP/B:", "critical batch at S:"):
+        assert term in fv.MODEL_TABLE_TERMS and term in out, term
+    assert out.index("fp32") < out.index("look-up tables (rows read):")
+
+
+def test_quant_sentence_agrees_in_number():
+    rows = [{"format": f, "bound": b, "rate": 3e11} for f, b in
+            (("fp32", "compute"), ("fp16", "cache"), ("int8 cache", "weights"), ("int4", "compute"))]
+    one = fv.quant_sentence(rows)
+    assert "1 of the 3 half-precision rows is bound by compute" in one and "sets its floor" in one
+    rows[2]["bound"] = "compute"
+    two = fv.quant_sentence(rows)
+    assert "2 of the 3 half-precision rows are bound by compute" in two and "sets their floor" in two
