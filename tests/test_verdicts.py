@@ -90,15 +90,38 @@ def test_clear_winner_named_with_ratio_and_device():
     assert verdicts.faster(fast, slow, CPU).startswith("fast is 3.00x faster")
 
 
-@pytest.mark.parametrize("r, words", [(1.04, "about the same"), (2.5, "2.5x more"), (0.25, "4.0x less")])
+@pytest.mark.parametrize("r, words", [(1.04, "about the same (1.04x)"), (2.5, "2.5x larger"),
+                                      (0.25, "4.0x smaller (75% less)")])
 def test_ratio_word(r, words):
-    assert verdicts.ratio_word(r).startswith(words)
+    assert verdicts.ratio_word(r) == words
+
+
+def test_a_smaller_amount_is_said_as_a_reduction():
+    text = verdicts.compare_amounts(55.0, 100.0, "x", "y", "peak", CPU)
+    assert "1.8x smaller than that of y (45% less)" in text and "x less" not in text
+    assert "2.0x that of y" in verdicts.compare_amounts(200.0, 100.0, "x", "y", "peak", CPU)
 
 
 def test_trend_direction():
-    assert " rises from 1.00x at N=1 to 3.00x at N=4 " in verdicts.trend([1, 4], [1.0, 3.0], "N", "s", CPU)
-    assert "stays level" in verdicts.trend([1, 4], [1.0, 1.05], "N", "s", CPU)
-    assert "falls" in verdicts.trend([1, 4], [2.0, 1.0], "N", "s", CPU)
+    assert verdicts.trend([1, 4], [1.0, 3.0], "N", "s", CPU).startswith("s starts at 1.00x at N=1, then rises to 3.00x at N=4")
+    assert "stays within 10% of its first value" in verdicts.trend([1, 4], [1.0, 1.05], "N", "s", CPU)
+    assert "falls to 1.00x at N=4" in verdicts.trend([1, 4], [2.0, 1.0], "N", "s", CPU)
+    assert verdicts.trend([1, 4], [2.0, 1.0], "N", "s", CPU).endswith("on this CPU with " + verdicts.on(CPU).split(" with ")[1])
+
+
+def test_series_reads_every_point_not_its_ends():
+    """First against last said "rises from 12 to 215" for a series whose peak, 399, was inside it (chapter
+    3's cache work), and "stays level" for one that doubled in the middle and came back."""
+    text = verdicts.series([16, 64, 256, 512], [12.0, 12.5, 399.0, 215.0], "p", "work", " µs", 1)
+    assert text == ("work stays within 10% of 12.0 µs from p=16 to p=64, then rises to 215.0 µs at p=512; "
+                    "its maximum, 399.0 µs, is at p=256")
+    hump = verdicts.series([1, 2, 3], [1.0, 2.0, 1.02], "B", "t")
+    assert "ends within 10% of where it started" in hump and "its maximum, 2.00x, is at B=2" in hump
+    dip = verdicts.series([1, 2, 3, 4], [1.0, 0.5, 2.0, 3.0], "B", "t")
+    assert "rises to 3.00x at B=4 (its maximum)" in dip and "its minimum, 0.50x, is at B=2" in dip
+    assert verdicts.series([8], [3.0], "B", "t") == "t is 3.00x at B=8"
+    with pytest.raises(ValueError, match="one y per x"):
+        verdicts.series([1, 2], [1.0], "B", "t")
 
 
 def test_preallocated_cache_rewind():
