@@ -73,23 +73,26 @@ _ENDLESS = ("A loop over batch sizes never ends when no batch is compute-bound: 
             "more row adds to the bytes and to the FLOPs")
 
 
-def _call(check, fn, label, args, too_slow: str = _ENDLESS):
-    """The learner's function on one case: their exceptions, library calls and endless loops become
-    failures (``too_slow``: what a call past the time limit most likely did, for this case)."""
-    names = ("batch_size", "seq_len", "bandwidth", "flops")
-    shown = ", ".join(f"{k}={a!r}" for k, a in zip(names, args[1:]))
+def _guarded(check, thunk, where: str, too_slow: str = "", hint: str = ""):
+    """Run one of the learner's calls (``thunk()``); their exceptions, library calls and endless loops
+    become failures that name the call (``where``), what a call past the time limit most likely did
+    (``too_slow``) and, for an exception, what to handle (``hint``)."""
     try:
         with _deadline(TIME_LIMIT_S):
-            out = fn(*args)
+            return thunk()
     except _TooSlow:
-        raise fail(check, f"your function did not return within {TIME_LIMIT_S:.0f} s on <{label}> ({shown}). "
-                          + too_slow) from None
+        raise fail(check, f"{where} did not return within {TIME_LIMIT_S:.0f} s" + (f". {too_slow}" if too_slow else "")) from None
     except (GraderFailure, NotImplementedError):
         raise
     except Exception as e:  # noqa: BLE001 - the learner's exception becomes a pointed message
-        raise fail(check, f"your function raised {type(e).__name__}: {e} when called with "
-                          f"(<{label}>, {shown})") from None
-    return out
+        raise fail(check, f"{where} raised {type(e).__name__}: {e}{hint}") from None
+
+
+def _call(check, fn, label, args, too_slow: str = _ENDLESS):
+    """The learner's function on one case (``args``: the model, then the numbers), through :func:`_guarded`."""
+    names = ("batch_size", "seq_len", "bandwidth", "flops")
+    shown = ", ".join(f"{k}={a!r}" for k, a in zip(names, args[1:]))
+    return _guarded(check, lambda: fn(*args), f"your function called with (<{label}>, {shown})", too_slow)
 
 
 def _reference_bytes(model, batch_size, seq_len):
@@ -841,18 +844,8 @@ def _grade_plan(plan, critical, fits) -> list[int]:
     rules. Returns this run's plan."""
     answers = []
     for label, crit, rows in _plan_cases(critical, fits):
-        try:
-            with _deadline(TIME_LIMIT_S):
-                out = plan(crit, rows)
-        except _TooSlow:
-            raise fail(NAME_SWEEP, f"plan_batches({crit!r}, {rows!r}) <{label}> did not return within "
-                                   f"{TIME_LIMIT_S:.0f} s") from None
-        except (GraderFailure, NotImplementedError):
-            raise
-        except Exception as e:  # noqa: BLE001 - the learner's exception becomes a pointed message
-            raise fail(NAME_SWEEP, f"plan_batches({crit!r}, {rows!r}) <{label}> raised {type(e).__name__}: {e}"
-                                   + (" (CRIT is None when no batch is compute-bound: handle it)"
-                                      if crit is None else "")) from None
+        out = _guarded(NAME_SWEEP, lambda: plan(crit, rows), f"plan_batches({crit!r}, {rows!r}) <{label}>",
+                       hint=" (CRIT is None when no batch is compute-bound: handle it)" if crit is None else "")
         batches = _as_batches(out, f"what plan_batches({crit!r}, {rows!r}) <{label}> returns")
         answers.append(batches)
         problem = _sweep_problem(batches, crit, rows)
