@@ -204,23 +204,38 @@ def _matmul_size(device, dtype, threads: int) -> int:
     return n
 
 
+#: Matmul rates measured at the size picked by time, by (device, dtype, threads): one figure per
+#: dtype in a process, so a page that needs a rate twice never prints two (see :func:`machine`).
+_RATES: dict = {}
+
+
 def measure_matmul_flops(device="cpu", dtype=torch.float32, n: int | None = None,
-                         threads: int | None = None, repeats: int = 5, verbose: bool = True) -> float:
+                         threads: int | None = None, repeats: int = 5, verbose: bool = True,
+                         fresh: bool = False) -> float:
     """FLOP/s an ``n x n`` by ``n x n`` matrix product achieves (``2 n^3`` FLOPs), median of ``repeats``.
-    Without ``n``, the size is picked by time (see :func:`_matmul_size`) and printed."""
+    Without ``n``, the size is picked by time (see :func:`_matmul_size`), the rate is kept for the
+    process (later calls return it, and say so; ``fresh`` measures again) and printed."""
 
     device, dtype = check_device(device), as_dtype(dtype)
     n = None if n is None else check_int(n, "n (the matrix size)", 1)
     threads, repeats = None if threads is None else check_int(threads, "threads", 1), check_int(repeats, "repeats", 1)
     threads = _threads(device, threads)
-    if n is None:
-        n = _matmul_size(device, dtype, threads)
-    a, b = _square_pair(n, device, dtype)
+    where = threads_text(threads) if device.type == "cpu" else str(device)
+    key = (device_name(device), str(dtype), threads) if n is None else None
+    if key in _RATES and not fresh:
+        rate, size = _RATES[key]
+        if verbose:
+            print(f"matmul: {rate / 1e9:.1f} GFLOP/s  ({size}x{size} {str(dtype).removeprefix('torch.')}, {where}; "
+                  "measured earlier in this process)")
+        return rate
+    size = _matmul_size(device, dtype, threads) if n is None else n
+    a, b = _square_pair(size, device, dtype)
     seconds = median_seconds(lambda: a @ b, device, repeats=repeats, threads=threads)
-    rate = 2 * n ** 3 / seconds
+    rate = 2 * size ** 3 / seconds
+    if key is not None:
+        _RATES[key] = (rate, size)
     if verbose:
-        where = threads_text(threads) if device.type == "cpu" else str(device)
-        print(f"matmul: {rate / 1e9:.1f} GFLOP/s  ({n}x{n} {str(dtype).removeprefix('torch.')}, {where})")
+        print(f"matmul: {rate / 1e9:.1f} GFLOP/s  ({size}x{size} {str(dtype).removeprefix('torch.')}, {where})")
     return rate
 
 
@@ -228,14 +243,14 @@ HALF = (torch.float16, torch.bfloat16)
 
 
 def arithmetic_rate(device="cpu", dtype=torch.float32, threads: int | None = None,
-                    verbose: bool = True) -> tuple[float, torch.dtype]:
+                    verbose: bool = True, fresh: bool = False) -> tuple[float, torch.dtype]:
     """(FLOP/s, dtype) of the matrix products of a model stored in ``dtype``: that dtype's rate for
     float32; for a half-precision model the fastest of fp16, bf16 and fp32 on this device (a CPU
     without native fp16 arithmetic multiplies in bf16 or fp32 instead; a GPU's tensor cores in the
     half format). The dtype that does the arithmetic is returned and printed."""
     dtype = as_dtype(dtype)
     candidates = [dtype] if dtype not in HALF else [dtype, *(d for d in HALF if d != dtype), torch.float32]
-    rates = {d: measure_matmul_flops(device, d, threads=threads, verbose=verbose) for d in candidates}
+    rates = {d: measure_matmul_flops(device, d, threads=threads, verbose=verbose, fresh=fresh) for d in candidates}
     best = max(rates, key=rates.get)
     if verbose and len(rates) > 1:
         print(f"  a {str(dtype).removeprefix('torch.')} model's arithmetic is priced at the "
@@ -310,7 +325,7 @@ def machine(device="cpu", dtype=torch.float32, threads: int | None = None, verbo
         return dict(known)
     bw, reader = best_bandwidth(device, verbose=verbose)
     copy = measure_bandwidth(device, verbose=verbose, kind="copy")
-    fl, used = arithmetic_rate(device, dtype, verbose=verbose)
+    fl, used = arithmetic_rate(device, dtype, verbose=verbose, fresh=fresh)
     m = {"bandwidth": bw, "reader": reader, "copy_bandwidth": copy, "flops": fl, "flops_dtype": used,
          "ridge": fl / bw, "threads": torch.get_num_threads(), "measured_at": time.time(), "shared": False}
     _MEASURED[key] = m

@@ -41,15 +41,16 @@ def print_rows(rows: list[dict]) -> None:
     show([{"model": r["model"], "threads": r["threads"], "generator": r["generator"],
            "ms/token": f"{r['per_token'] * 1e3:.3f}", "floor ms": f"{r['floor_per_token'] * 1e3:.3f}",
            "x floor": f"{r['ratio']:.2f}x", "achieved GB/s": f"{r['achieved'] / 1e9:.2f}",
-           "of read probe": f"{r['achieved'] / r['bandwidth']:.0%}", "read probe GB/s": f"{r['bandwidth'] / 1e9:.1f}",
+           "of read probe": f"{r['achieved'] / r['bandwidth']:.0%}",
            "compile s": "-" if r["compile_s"] is None else f"{r['compile_s']:.1f}", "pays off after": pays(r)}
           for r in rows],
          caption="pays off after: the tokens after which the time a compiled generator saves over its eager twin "
                  "covers its compilation; 'not claimed' where the two were within the noise (no speed-up measured), "
-                 "'never' where the compiled one was slower")
-    for bw, when in dict.fromkeys((r["bandwidth"], r.get("probe_when")) for r in rows):
-        if when:
-            print(f"read probe {bw / 1e9:.1f} GB/s: {when}")
+                 "'never' where the compiled one was slower; of read probe: achieved GB/s over the read probe "
+                 "of the row's thread count (below)")
+    # the probe's figure per thread count, under the table: a column of it made the table wider than the page
+    for threads, bw, when in dict.fromkeys((r["threads"], r["bandwidth"], r.get("probe_when")) for r in rows):
+        print(f"read probe with {threads} thread{'s' * (threads != 1)}: {bw / 1e9:.1f} GB/s" + (f", {when}" if when else ""))
 
 
 def plot_rows(rows: list[dict], ax) -> None:

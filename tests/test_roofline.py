@@ -213,6 +213,22 @@ def test_arithmetic_rate_names_the_dtype(capsys):
     assert "priced at the" in capsys.readouterr().out
 
 
+def test_one_matmul_rate_per_dtype_in_a_process(monkeypatch, capsys):
+    """Chapter 7 printed bf16 at 355.9 GFLOP/s in one section and 408.6 in the next: a rate picked by
+    time is measured once per device, dtype and threads, and a later call says it reuses it."""
+    monkeypatch.setattr(probes, "_RATES", {})
+    calls = []
+    monkeypatch.setattr(probes, "median_seconds", lambda *a, **k: calls.append(1) or 1e-3 * len(calls))
+    monkeypatch.setattr(probes, "_matmul_size", lambda *a: 256)
+    first = probes.measure_matmul_flops("cpu", torch.bfloat16, threads=1)
+    again = probes.measure_matmul_flops("cpu", torch.bfloat16, threads=1)
+    assert again == first and len(calls) == 1
+    assert "measured earlier in this process" in capsys.readouterr().out
+    assert probes.measure_matmul_flops("cpu", torch.bfloat16, threads=1, fresh=True) != first   # measured again
+    assert probes.measure_matmul_flops("cpu", torch.bfloat16, n=256, threads=1) != first        # an explicit size: always measured
+    assert probes.measure_matmul_flops("cpu", torch.float32, threads=1) and len(calls) == 4     # another dtype: its own
+
+
 def test_the_matmul_probe_is_sized_by_time_so_an_emulated_dtype_stays_cheap(monkeypatch):
     """A CPU without native fp16 takes seconds per 1024 x 1024 fp16 product: the probe's size is
     picked by timing one product (at least MATMUL_PROBE_S), so a slow dtype gets a small matrix."""
