@@ -163,5 +163,5 @@ def timeline(source, title: str = "") -> Drawing:
     pre = sum(1 for s in spans if s[5])
     alt = (f"Timeline of {len(spans)} requests over {max(s[3] for s in spans):.3g} s: each bar runs from "
            f"arrival through the first token (median time to first token in this run {mid:.3g} s, "
-           f"longest {ttft[-1]:.3g} s) to the last token" + (f"; {pre} were preempted at least once." if pre else "."))
+           f"longest {ttft[-1]:.3g} s) to the last token" + (f"; {pre} {'was' if pre == 1 else 'were'} preempted at least once." if pre else "."))
     return Drawing(fig, alt, "Each request's wait, prefill and decode, on one clock.")

@@ -354,7 +354,7 @@ def best_of(samples: dict[str, list[float]], what: str, device, lower_is_better:
         return f"{what}: {best} is best; {second}, the runner-up, had none in most rounds ({n} round(s) {where})"
     c = compare_timings(a, b)
     if c.verdict == "none":
-        return (f"{what}: {best} and {second}, ratio {b.median / a.median:.2f}: {relation(c, best, second)}; "
+        return (f"{what}: the best two, '{best}' and '{second}', ratio {b.median / a.median:.2f}: {relation(c, best, second)}; "
                 f"{n} round{'s' * (n != 1)} {where}")
     return f"{what}: {best} {b.median / a.median:.2f}x better than {second}, {relation(c, best, second, 'better')} {where}"
 

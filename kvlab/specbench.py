@@ -350,7 +350,8 @@ def equality_rows(pair: dict, prompts, new_tokens: int, ks=(1, 4), budget: timin
                 model, cache = make()
                 same = all(torch.equal(speculative_generate(model, p, new_tokens, draft, k, cache=cache)[0], ref)
                            for k in ks)
-                out.append({"draft": name, "cache": cache_name, "k": ", ".join(map(str, ks)), "same tokens": same})
+                out.append({"prompt": i, "draft": name, "cache": cache_name, "k": ", ".join(map(str, ks)),
+                            "same tokens": same})
     return out
 
 

@@ -181,10 +181,13 @@ class Budget:
             return ""
         n = len(self.done) + len(self.skipped)
         left = (f"{self.unit} {len(self.done) + 1} to {n}" if len(self.skipped) > 1 else f"{self.unit.removesuffix('s')} {n}") \
-            if self.unit != "points" else str(self.skipped)
+            if self.unit != "points" else ", ".join(str(x) for x in self.skipped)
         them = "them" if len(self.skipped) > 1 else "it"
-        return (f"{self.what}: {len(self.done)} of {n} {self.unit} measured in {self.elapsed:.3g} s of its "
-                f"{self.seconds:.3g} s budget; the next was judged to need about {self.predicted:.3g} s more (the "
+        spent = (f"in {self.elapsed:.3g} s of its {self.seconds:.3g} s budget" if self.elapsed <= self.seconds else
+                 f"in {self.elapsed:.3g} s, past its {self.seconds:.3g} s budget (" +
+                 (f"the first {self.keep} are always measured)" if len(self.done) <= self.keep else
+                  "the last one measured took longer than judged, and a point once begun is finished)"))
+        return (f"{self.what}: {len(self.done)} of {n} {self.unit} measured {spent}; the next was judged to need about {self.predicted:.3g} s more (the "
                 f"last one's time, scaled by its size), past the budget, so not measured: {left}. A machine "
                 f"that runs these faster measures {them}, as does KVLAB_BUDGET_SCALE=2.")
 

@@ -18,7 +18,21 @@ def test_a_sweep_stops_adding_points_when_its_budget_is_spent_and_says_so(capsys
     assert budget.skipped == [1, 2, 4, 8, 16, 32][len(done):]
     budget.report()
     out = capsys.readouterr().out
-    assert "a test sweep" in out and "s budget" in out and str(budget.skipped) in out
+    assert "a test sweep" in out and "s budget" in out
+    assert "not measured: " + ", ".join(map(str, budget.skipped)) + "." in out and "[" not in out   # no Python list
+
+
+def test_a_budget_overrun_says_why():
+    """'2 of 3 rounds measured in 50 s of its 22.5 s budget' read as a contradiction: a run past its
+    budget says why (the first `keep` always run, or the last point took longer than judged)."""
+    kept = timing.Budget(1e-6, "kept", keep=2)
+    for _ in kept.points([1, 2, 3]):
+        time.sleep(0.01)
+    assert "past its" in kept.note and "the first 2 are always measured" in kept.note, kept.note
+    late = timing.Budget(0.05, "late", keep=1)
+    for p in late.points([1, 1, 1, 1], size=lambda _: 1.0):
+        time.sleep(0.01 if len(late.done) < 1 else 0.08)    # the second point runs far past its estimate
+    assert "took longer than judged" in late.note, late.note
 
 
 def test_the_first_points_are_always_measured_and_a_roomy_budget_cuts_nothing(capsys):
@@ -114,7 +128,7 @@ def test_the_window_grid_keeps_its_ends_with_both_sink_counts_and_the_same_numbe
     assert budget.done == [8, 64] and sorted(budget.skipped) == [16, 32]
     assert [(r["sinks"], r["window"]) for r in rows] == [(0, 8), (0, 64), (4, 8), (4, 64)]
     assert rows == sb.window_rows(ours, ev, ref, [8, 64], sinks=(0, 4), max_windows=1)   # unbudgeted: same rows
-    assert "the window grid" in budget.note and "[16, 32]" in budget.note
+    assert "the window grid" in budget.note and "not measured: 16, 32." in budget.note
 
 
 def test_the_latent_ranks_keep_the_smallest_and_the_lossless_one(ours, shrink_text):
@@ -186,7 +200,7 @@ def test_the_acceptance_counts_stop_adding_prompts_and_count_the_first_ones_alik
     drafts = {n: spec_pair["drafts"][n] for n in ("prompt lookup", "kvlab-nano")}
     budget = tiny_budget("the acceptance counts' prompts", keep=1)
     cut = specbench.acceptance(spec_pair["target"], drafts, prompts, [1, 3], 8, budget=budget)
-    assert budget.done == [1] and budget.skipped == [2, 3] and "[2, 3]" in budget.note
+    assert budget.done == [1] and budget.skipped == [2, 3] and "not measured: 2, 3." in budget.note
     assert cut == specbench.acceptance(spec_pair["target"], drafts, prompts[:1], [1, 3], 8)   # the same counts
     assert list(cut) == [(n, k) for n in drafts for k in (1, 3)] and all(r["same"] for r in cut.values())
 
