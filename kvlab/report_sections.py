@@ -212,11 +212,10 @@ def floor(run: Run) -> dict:
     """Chapter 7: each decode step's time against its floor from measured bandwidth and FLOP/s."""
 
     dtype = next(run.model(run.plan["models"][0])[1].parameters()).dtype
-    probe = run.plan.get("probe", {})              # fewer repeats and a smaller matmul in quick mode
-    reps = probe.get("repeats", 7)                 # the bandwidth buffer is always sized from the LLC
-    bw, reader = probes.best_bandwidth(run.device, repeats=reps, verbose=False)
-    copy = probes.measure_bandwidth(run.device, repeats=reps, verbose=False, kind="copy")
-    fl = probes.measure_matmul_flops(run.device, dtype, n=probe.get("n"), repeats=reps, verbose=False)
+    # the machine's one measurement (kvlab.probes.machine): the figures the other sections and, in a
+    # book build, every chapter use, so no two tables of one page divide by different bandwidths
+    m = probes.machine(run.device, dtype, verbose=False)
+    bw, reader, copy, fl = m["bandwidth"], m["reader"], m["copy_bandwidth"], m["flops"]
     rows = []
     for name in run.each_model():
         _, ours = run.model(name)
