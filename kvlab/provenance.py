@@ -8,6 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 import os
 import platform
+import warnings
 import torch
 from .tables import in_notebook
 
@@ -149,8 +150,26 @@ def stamp_figure(fig, model, device=None) -> None:
     """Write :func:`stamp` along the bottom of a matplotlib figure, make all its text
     :func:`readable` and its log axes' labels plain numbers (:func:`plain_log_labels`)."""
     plain_log_labels(fig)
-    fig.text(0.005, 0.005, stamp(model, device), fontsize=MIN_FONT, color="0.35", ha="left", va="bottom")
+    if fig.get_layout_engine() is None:
+        # lay the axes out first (a y label into its neighbour's ticks, slanted tick labels), as
+        # plots.finish does; a figure with a layout engine of its own keeps it
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            fig.tight_layout()
+    text = fig.text(0.005, 0.005, stamp(model, device), fontsize=MIN_FONT, color="0.35", ha="left", va="bottom")
     readable(fig)
     # room for the stamp under what is already laid out (tick labels, x label), at its own size
     room = 2.0 * min_font(fig) / 72 / fig.get_figheight()
     fig.subplots_adjust(bottom=min(max(fig.subplotpars.bottom + room, 0.17), 0.45))
+    _clear_the_stamp(fig, text)
+
+
+def _clear_the_stamp(fig, text) -> None:
+    """Raise the axes until nothing they draw (rotated tick labels above all) reaches into the
+    stamp's line: a fixed margin left chapter 9's slanted bar labels written over it."""
+    renderer = fig.canvas.get_renderer()
+    top = text.get_window_extent(renderer).y1 / fig.bbox.height           # the stamp's top, figure fraction
+    low = min((ax.get_tightbbox(renderer).y0 / fig.bbox.height for ax in fig.axes if ax.get_visible()),
+              default=1.0)
+    if low < top + 0.01:
+        fig.subplots_adjust(bottom=min(fig.subplotpars.bottom + top + 0.01 - low, 0.6))

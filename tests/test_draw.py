@@ -112,7 +112,7 @@ def test_timeline_of_a_served_engine():
     ttft = sorted(times[s.rid][0] - s.arrival for s in eng.seqs.values())
     assert d.alt.startswith("Timeline of 5 requests over") and f"longest {ttft[-1]:.3g} s" in d.alt
     pre = sum(1 for s in eng.seqs.values() if s.preemptions)
-    assert pre and f"{pre} were preempted at least once" in d.alt     # the pool of 6 blocks binds
+    assert pre and f"{pre} {'was' if pre == 1 else 'were'} preempted at least once" in d.alt     # the pool of 6 blocks binds
     ticks = sum(len(line.get_xdata()) for line in d.figure.axes[0].lines) - 5    # minus one arrival mark each
     assert ticks == sum(len(t) for t in times.values())                # one tick per token
 
@@ -172,6 +172,21 @@ def test_plots_and_their_stamp_are_readable(tiny):
     xs = sorted({t.xy[0] for t in labels})
     assert all(b / a >= 10 ** 0.15 - 1e-9 for a, b in zip(xs, xs[1:]))   # no two labels on top of each other
     assert pts[-1]["x"] in xs                                             # the last batch always named
+    plt.close(fig)
+
+
+def test_the_stamp_clears_slanted_tick_labels(tiny):
+    """Issue 37 full-build reread: chapter 9's block-size bars, labelled at 30 degrees with no tight
+    layout, had their labels written over the provenance stamp."""
+    model, _ = tiny
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 3.4))
+    a1.plot([1, 2], [1, 2])
+    a2.bar([f"block {b}, plain gather" for b in (1, 4, 16, 64)], [1, 2, 3, 4])
+    a2.tick_params(axis="x", rotation=30)
+    provenance.stamp_figure(fig, model, "cpu")
+    r = fig.canvas.get_renderer()
+    stamp = next(t for t in fig.texts if "torch" in t.get_text()).get_window_extent(r)
+    assert all(ax.get_tightbbox(r).y0 >= stamp.y1 for ax in fig.axes)
     plt.close(fig)
 
 
