@@ -150,6 +150,7 @@ def stamp_figure(fig, model, device=None) -> None:
     """Write :func:`stamp` along the bottom of a matplotlib figure, make all its text
     :func:`readable` and its log axes' labels plain numbers (:func:`plain_log_labels`)."""
     plain_log_labels(fig)
+    readable(fig)                       # final sizes first, so the layout is made for them
     if fig.get_layout_engine() is None:
         # lay the axes out first (a y label into its neighbour's ticks, slanted tick labels), as
         # plots.finish does; a figure with a layout engine of its own keeps it
@@ -158,9 +159,6 @@ def stamp_figure(fig, model, device=None) -> None:
             fig.tight_layout()
     text = fig.text(0.005, 0.005, stamp(model, device), fontsize=MIN_FONT, color="0.35", ha="left", va="bottom")
     readable(fig)
-    # room for the stamp under what is already laid out (tick labels, x label), at its own size
-    room = 2.0 * min_font(fig) / 72 / fig.get_figheight()
-    fig.subplots_adjust(bottom=min(max(fig.subplotpars.bottom + room, 0.17), 0.45))
     _clear_the_stamp(fig, text)
 
 
@@ -171,5 +169,6 @@ def _clear_the_stamp(fig, text) -> None:
     top = text.get_window_extent(renderer).y1 / fig.bbox.height           # the stamp's top, figure fraction
     low = min((ax.get_tightbbox(renderer).y0 / fig.bbox.height for ax in fig.axes if ax.get_visible()),
               default=1.0)
-    if low < top + 0.01:
-        fig.subplots_adjust(bottom=min(fig.subplotpars.bottom + top + 0.01 - low, 0.6))
+    gap = 0.4 * text.get_fontsize() / 72 / fig.get_figheight()          # a little air between them
+    if low < top + gap:
+        fig.subplots_adjust(bottom=min(fig.subplotpars.bottom + top + gap - low, 0.6))
