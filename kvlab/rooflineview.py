@@ -223,6 +223,8 @@ def plot_roofline(ax, bandwidth: float, flops: float, series: dict, title: str) 
                         textcoords="offset points")
     ax.set(xscale="log", yscale="log", xlabel="arithmetic intensity (FLOPs per byte of the step)",
            ylabel="FLOP/s (measured steps: FLOPs / time)", title=title)
+    # room under the lowest point for the label written below it (it sat on the axis)
+    ax.set_ylim(bottom=min(p["y"] for pts in series.values() for p in pts) / 1.8)
     ax.legend(fontsize=7, loc="lower right")
 
 
