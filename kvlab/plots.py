@@ -10,7 +10,7 @@ from __future__ import annotations
 import matplotlib.pyplot as plt
 from matplotlib.ticker import PercentFormatter
 
-from .provenance import MIN_FONT, readable, stamp_figure
+from .provenance import MIN_FONT, stamp_figure
 
 
 def figure(ncols: int = 1, nrows: int = 1, size=(7, 4), **kw):
@@ -19,12 +19,10 @@ def figure(ncols: int = 1, nrows: int = 1, size=(7, 4), **kw):
 
 
 def finish(fig, model, device, legend=(), fontsize: float = MIN_FONT, show: bool = True) -> None:
-    """Legends on the axes in ``legend``, text at reading size, tight layout, the provenance stamp,
-    then render."""
+    """Legends on the axes in ``legend``, then the provenance stamp (which brings the text to reading
+    size and lays the figure out), then render."""
     for ax in legend:
         ax.legend(fontsize=max(fontsize, MIN_FONT))
-    readable(fig)
-    fig.tight_layout()
     stamp_figure(fig, model, device)
     if show:
         plt.show()

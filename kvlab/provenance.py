@@ -157,8 +157,7 @@ def stamp_figure(fig, model, device=None) -> None:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             fig.tight_layout()
-    text = fig.text(0.005, 0.005, stamp(model, device), fontsize=MIN_FONT, color="0.35", ha="left", va="bottom")
-    readable(fig)
+    text = fig.text(0.005, 0.005, stamp(model, device), fontsize=min_font(fig), color="0.35", ha="left", va="bottom")
     _clear_the_stamp(fig, text)
 
 
